@@ -1,0 +1,42 @@
+# yafsdp: two commands from a fresh clone.
+#   make demo   install, then inspect / convert / restore / verify a bundled sample model
+#   make test   install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is installed first and on its own: on machines whose pip finds a local CPU
+# wheel (find-links) this takes it instead of a multi-GB CUDA build. Elsewhere pick
+# your build, e.g.  make install TORCH="torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+DEMO := demo-out
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
+	$(BIN)/pip install -e '.[dev,hf]'
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/yafsdp inspect sample_models/llama.safetensors --world-size 8
+	rm -rf $(DEMO)
+	$(BIN)/yafsdp convert sample_models/llama.safetensors --world-size 8 -o $(DEMO)/llama.flat.safetensors
+	$(BIN)/yafsdp restore $(DEMO)/llama.flat.safetensors -o $(DEMO)/llama.restored.safetensors
+	$(BIN)/yafsdp verify sample_models/llama.safetensors --model sample_models.models:llama
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) $(DEMO) .pytest_cache .ruff_cache .hypothesis

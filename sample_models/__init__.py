@@ -1,0 +1,1 @@
+"""Small sample models for yafsdp's demo and tests (see models.py and build.py)."""

@@ -1,0 +1,91 @@
+"""Shared test helpers: seeded models and a reference training loop."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from sample_models.models import FACTORIES
+from yafsdp_cli import convert_module, plan, spec_from_module
+from yafsdp_cli.inputs import make_input, projection_loss
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return FACTORIES[name]()
+
+
+def original_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def original_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def run_steps(model, flat=None, *, steps=3, micro=2, optimizer="adamw", seed=0):
+    """Train ``steps`` steps of ``micro`` accumulated micro-batches; record everything.
+
+    Returns one dict per step: outputs, grads by name (tied names too) and the
+    parameters after the optimizer step, all cloned.
+    """
+    opt = make_optimizer(optimizer, model.parameters())
+    record = []
+    for step in range(steps):
+        outputs = []
+        for m in range(micro):
+            x = make_input(model, seed=seed + 100 * step + m)
+            out = model(x)
+            projection_loss(out, seed=seed + step).backward()
+            outputs.append(out.detach().clone())
+        grads = flat.named_grads() if flat else original_grads(model)
+        grads = {n: None if g is None else g.clone() for n, g in grads.items()}
+        if opt is not None:
+            opt.step()
+        params = flat.named_params() if flat else original_params(model)
+        record.append(
+            {
+                "outputs": outputs,
+                "grads": grads,
+                "params": {n: p.clone() for n, p in params.items()},
+            }
+        )
+        (opt.zero_grad() if opt is not None else model.zero_grad())
+    return record
+
+
+def make_optimizer(kind, params):
+    params = list(params)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01, foreach=False)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, foreach=False)
+    return None
+
+
+def convert_copy(model: nn.Module, **plan_kwargs):
+    """A converted deep copy of ``model`` and its FlatModel handle."""
+    twin = copy.deepcopy(model)
+    flat = convert_module(twin, plan(spec_from_module(twin), **plan_kwargs))
+    return twin, flat
+
+
+def assert_records_equal(a, b) -> None:
+    """Bit-exact equality of two run_steps records (NaN-free inputs)."""
+    assert len(a) == len(b)
+    for step, (ra, rb) in enumerate(zip(a, b)):
+        for i, (oa, ob) in enumerate(zip(ra["outputs"], rb["outputs"])):
+            assert torch.equal(oa, ob), f"step {step} micro-batch {i}: outputs differ"
+        for kind in ("grads", "params"):
+            assert ra[kind].keys() == rb[kind].keys(), kind
+            for name, ta in ra[kind].items():
+                tb = rb[kind][name]
+                assert (ta is None) == (tb is None), f"step {step} {kind} {name}: None mismatch"
+                if ta is not None:
+                    assert ta.dtype == tb.dtype and ta.shape == tb.shape, f"{kind} {name}"
+                    diff = (ta.double() - tb.double()).abs().max().item() if ta.numel() else 0
+                    assert torch.equal(ta, tb), f"step {step} {kind} {name}: max diff {diff}"

@@ -1,0 +1,26 @@
+"""The Typer app object and its global options."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import State
+
+app = typer.Typer(
+    name="yafsdp",
+    help="Model memory profiler and flat-buffer (metaparam) converter for PyTorch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    if debug:
+        State.debug = True

@@ -1,0 +1,117 @@
+"""What every command shares: consoles, the error boundary, common options."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ..errors import YafsdpError
+
+# torch warns at import when numpy is missing; that is noise for a CLI user.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+stdout = Console(highlight=False, soft_wrap=False)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class State:
+    debug = bool(os.environ.get("YAFSDP_DEBUG"))
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    """Print one line on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def errors_to_exit() -> Iterator[None]:
+    """Map project errors to exit 2 with one line on stderr; never a traceback
+    unless ``--debug`` (or ``YAFSDP_DEBUG=1``) asks for one."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort):
+        raise
+    except YafsdpError as exc:
+        if State.debug:
+            traceback.print_exc(file=sys.stderr)
+        raise fail(_escape(str(exc))) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted; no output was written", 130) from None
+    except Exception as exc:  # a bug, or an input no check caught: still one line
+        if State.debug:
+            traceback.print_exc(file=sys.stderr)
+        hint = "" if State.debug else " (rerun with --debug for the traceback)"
+        raise fail(_escape(f"internal error: {type(exc).__name__}: {exc}{hint}")) from None
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(" ".join(text.split()))
+
+
+# Options shared by several commands, so their help reads the same everywhere.
+FilterOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--filter",
+        help="Convert parameters matching EXPR (repeatable): linear, embedding, conv, norm, "
+        "type:Class, name:GLOB, re:REGEX, dtype:bf16, min-numel:N, all. "
+        "Default: every floating-point parameter.",
+        metavar="EXPR",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude", help="Do not convert parameters matching EXPR (repeatable).", metavar="EXPR"
+    ),
+]
+UnitOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--unit",
+        help="Modules (fnmatch GLOB, outermost match wins) that get flat buffers of their own. "
+        "Default: the repeated blocks.",
+        metavar="GLOB",
+    ),
+]
+WorldSizeOpt = Annotated[
+    int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to shard for.")
+]
+AlignOpt = Annotated[
+    str,
+    typer.Option(
+        "--align", help="yafsdp | fsdp | megatron | none | BYTES: parameter starts and padding."
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Architecture factory package.module:callable (or path/file.py:callable); "
+        "SOURCE then gives its weights.",
+        metavar="MODULE:FACTORY",
+    ),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle", help="Allow loading a pickled nn.Module (this runs code from the file)."
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")
+]
+ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]

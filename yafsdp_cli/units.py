@@ -1,0 +1,116 @@
+"""Units: the modules that get flat buffers of their own.
+
+YaFSDP gives each transformer block its own buffer so that only one block's
+parameters are gathered at a time. By default the units are the repeated blocks:
+with an architecture, the children of the largest ``ModuleList`` (see
+``module_spec.detect_units``); from names alone, the numbered prefixes such as
+``model.layers.N`` that cover the most elements. Everything else goes to the root
+unit, named ``""``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from .errors import FilterError
+from .records import ModelSpec, TensorRecord
+
+ROOT = ""
+
+_NUMBERED = re.compile(r"(?:^|\.)(\d+)(?=\.)")
+
+
+def name_prefixes(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b"]``: the module names a tensor name implies."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def detect_units_from_names(tensors: Sequence[TensorRecord]) -> tuple[str, ...]:
+    """Numbered container prefixes (``model.layers.0``...) covering the most elements.
+
+    A pattern counts only if at least two indices share the same set of suffixes
+    and some suffix is nested (a container block, not a single layer such as the
+    ``Linear`` children of an ``nn.Sequential``).
+    """
+    # pattern "model.layers.*" -> prefix "model.layers.3" -> suffixes / numel
+    suffixes: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    numel: dict[str, int] = defaultdict(int)
+    for t in tensors:
+        for m in _NUMBERED.finditer(t.name):
+            prefix = t.name[: m.end()]
+            pattern = t.name[: m.start(1)] + "*"
+            suffixes[pattern][prefix].add(t.name[m.end() + 1 :])
+            numel[pattern] += t.numel
+    best, best_numel = None, -1
+    for pattern, blocks in suffixes.items():
+        shapes = defaultdict(int)
+        for suffix_set in blocks.values():
+            shapes[frozenset(suffix_set)] += 1
+        repeated = max(shapes.values()) >= 2
+        nested = any("." in s for sset in blocks.values() for s in sset)
+        if repeated and nested and numel[pattern] > best_numel:
+            best, best_numel = pattern, numel[pattern]
+    if best is None:
+        return ()
+    return tuple(sorted(suffixes[best], key=lambda p: int(p.rsplit(".", 1)[-1])))
+
+
+def resolve_unit_globs(globs: Iterable[str], module_names: Sequence[str]) -> tuple[str, ...]:
+    """Modules matched by ``--unit`` globs; a module inside another match is dropped.
+
+    Globs use ``fnmatch`` rules, so ``model.layers.*`` matches ``model.layers.0`` and
+    everything below it; keeping only the outermost match makes that the block.
+    """
+    matched: set[str] = set()
+    for glob in globs:
+        hits = {m for m in module_names if m and fnmatch.fnmatchcase(m, glob)}
+        if not hits:
+            examples = ", ".join(example_names(module_names))
+            raise FilterError(f"--unit {glob!r} matches no module; modules look like: {examples}")
+        matched |= hits
+    outer = [m for m in module_names if m in matched and not _inside_any(m, matched)]
+    return tuple(dict.fromkeys(outer))
+
+
+def _inside_any(module: str, others: set[str]) -> bool:
+    return any(p in others for p in name_prefixes(module))
+
+
+def example_names(names: Sequence[str], limit: int = 6) -> list[str]:
+    """A few representative names: numbered segments folded to ``N``."""
+    seen: dict[str, None] = {}
+    for n in names:
+        if n:
+            seen.setdefault(re.sub(r"\.\d+(?=\.|$)", ".N", n))
+        if len(seen) >= limit:
+            break
+    return list(seen)
+
+
+def assign_units(spec: ModelSpec, units: Sequence[str]) -> dict[str, str]:
+    """Canonical tensor name -> unit. A tensor whose owners sit in different units
+    (a weight shared across blocks) goes to the root unit."""
+    unit_set = set(units)
+    out = {}
+    for t in spec.tensors:
+        homes = {_unit_of_name(n, unit_set) for n in t.names}
+        out[t.name] = homes.pop() if len(homes) == 1 else ROOT
+    return out
+
+
+def _unit_of_name(name: str, unit_set: set[str]) -> str:
+    for prefix in name_prefixes(name):
+        if prefix in unit_set:
+            return prefix
+    return ROOT
+
+
+def resolve_units(spec: ModelSpec, globs: Sequence[str] | None) -> tuple[str, ...]:
+    """The units to use: ``--unit`` globs if given, else the spec's detected units."""
+    if not globs:
+        return spec.units
+    return resolve_unit_globs(globs, spec.module_names)
