@@ -1,0 +1,251 @@
+"""The per-rank memory model: per-parameter (DDP) training against flat buffers.
+
+All figures are bytes held by one rank. Every tensor allocation is rounded up to
+``round_bytes`` (512 by default: the CUDA caching allocator's granularity), so the
+baseline pays that per parameter, gradient and optimizer state, while flat buffers
+pay it once per buffer. Assumptions, stated in every report:
+
+- trainable parameters have a gradient (``grad_dtype``, default the parameter's);
+- optimizer states: ``adamw``/``adam`` two per element, ``sgd`` one (momentum),
+  ``none`` zero; they are float32 when master weights are kept, else in the
+  parameter's dtype (what ``torch.optim`` does);
+- master weights: a float32 copy of each trainable non-float32 parameter, on by
+  default ("auto") when parameters are 16-bit;
+- DDP's gradient buckets are not counted (as with ``gradient_as_bucket_view=True``);
+- module buffers (BatchNorm statistics, rotary tables) are replicated everywhere;
+- flat scheme: each rank keeps ``1/world_size`` of every flat buffer, its gradient,
+  optimizer states and master weights; unconverted parameters stay whole. While a
+  unit computes, two all-gather buffers and two gradient buffers the size of the
+  largest unit exist (current and prefetched unit, as YaFSDP preallocates them);
+  none are needed at world size 1.
+
+Reference schemes: ``zero2`` (gradients, states, master sharded; parameters
+whole), ``zero3`` (everything sharded, no padding; gathers the largest unit), and
+``fsdp`` (the flat scheme with FSDP1 alignment, one gather buffer per prefetch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from . import dtypes
+from .errors import YafsdpError
+from .layout import Layout, round_up
+
+Optimizer = Literal["adamw", "adam", "sgd", "none"]
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+GATHER_BUFFERS = 2  # current unit + prefetched next unit
+REDUCE_BUFFERS = 2  # current unit + the one whose reduce-scatter is in flight
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryConfig:
+    grad_dtype: str | None = None  # None: each parameter's dtype
+    optimizer: Optimizer = "adamw"
+    master_weights: bool | None = None  # None: auto, on for 16-bit parameters
+    round_bytes: int = 512
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise YafsdpError(
+                f"--optimizer {self.optimizer!r} is not one of {'|'.join(OPTIMIZER_STATES)}"
+            )
+        if self.grad_dtype is not None:
+            object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
+        if self.round_bytes < 1:
+            raise YafsdpError(f"round_bytes must be at least 1, got {self.round_bytes}")
+
+    def master_for(self, dtype: str) -> bool:
+        if dtype == "float32" or not dtypes.is_floating(dtype):
+            return False
+        if self.master_weights is None:
+            return dtypes.itemsize(dtype) <= 2
+        return self.master_weights
+
+    def state_itemsize(self, dtype: str) -> int:
+        return 4 if self.master_for(dtype) else dtypes.itemsize(dtype)
+
+    def grad_itemsize(self, dtype: str) -> int:
+        return dtypes.itemsize(self.grad_dtype or dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Bytes one rank holds under one scheme."""
+
+    scheme: str  # "ddp", "yafsdp", "zero2", "zero3", "fsdp"
+    params: int
+    grads: int
+    optimizer: int
+    master: int
+    buffers: int
+    gather: int  # transient: all-gathered parameters of the units in flight
+    reduce: int  # transient: unsharded gradients awaiting reduce-scatter
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master + self.buffers
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.gather + self.reduce
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    config: MemoryConfig
+    world_size: int
+    baseline: MemoryBreakdown  # ddp
+    flat: MemoryBreakdown  # yafsdp, the layout given
+    references: tuple[MemoryBreakdown, ...]  # zero2, zero3, fsdp
+    largest_unit: str  # "" is the root unit
+    largest_unit_bytes: int  # its parameters, all dtypes, padded
+
+    @property
+    def savings_bytes(self) -> int:
+        return self.baseline.total - self.flat.total
+
+    @property
+    def savings_percent(self) -> float:
+        return 100.0 * self.savings_bytes / self.baseline.total if self.baseline.total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    numel: int
+    dtype: str
+    trainable: bool
+
+
+def _tensors_of_layout(layout: Layout) -> tuple[list[_Tensor], list[_Tensor], list[_Tensor]]:
+    """(converted params, kept params, module buffers) as plain sizes."""
+    converted = [
+        _Tensor(e.numel, e.dtype, b.requires_grad) for b in layout.buffers for e in b.entries
+    ]
+    kept = [
+        _Tensor(t.numel, t.dtype, t.requires_grad and t.floating) for t in layout.kept if t.is_param
+    ]
+    bufs = [_Tensor(t.numel, t.dtype, False) for t in layout.kept if not t.is_param]
+    return converted, kept, bufs
+
+
+def _whole(tensors: list[_Tensor], cfg: MemoryConfig) -> dict[str, int]:
+    """Per-tensor allocations (DDP): each parameter, gradient and state on its own."""
+    r = cfg.round_bytes
+    out = dict(params=0, grads=0, optimizer=0, master=0)
+    for t in tensors:
+        out["params"] += round_up(t.numel * dtypes.itemsize(t.dtype), r)
+        if not t.trainable:
+            continue
+        out["grads"] += round_up(t.numel * cfg.grad_itemsize(t.dtype), r)
+        states = OPTIMIZER_STATES[cfg.optimizer]
+        out["optimizer"] += states * round_up(t.numel * cfg.state_itemsize(t.dtype), r)
+        if cfg.master_for(t.dtype):
+            out["master"] += round_up(t.numel * 4, r)
+    return out
+
+
+def _sharded_buffer(numel: int, dtype: str, trainable: bool, cfg: MemoryConfig, with_params=True):
+    """One rank's share of one flat buffer of ``numel`` (already divided) elements."""
+    r = cfg.round_bytes
+    out = dict(params=0, grads=0, optimizer=0, master=0)
+    if with_params:
+        out["params"] = round_up(numel * dtypes.itemsize(dtype), r)
+    if trainable:
+        out["grads"] = round_up(numel * cfg.grad_itemsize(dtype), r)
+        out["optimizer"] = OPTIMIZER_STATES[cfg.optimizer] * round_up(
+            numel * cfg.state_itemsize(dtype), r
+        )
+        if cfg.master_for(dtype):
+            out["master"] = round_up(numel * 4, r)
+    return out
+
+
+def _add(*parts: dict[str, int]) -> dict[str, int]:
+    keys = ("params", "grads", "optimizer", "master")
+    return {k: sum(p.get(k, 0) for p in parts) for k in keys}
+
+
+def _unit_bytes(layout: Layout, cfg: MemoryConfig, grads: bool) -> dict[str, int]:
+    """Unsharded bytes of each unit's buffers (parameters, or their gradients)."""
+    out: dict[str, int] = {}
+    for b in layout.buffers:
+        if grads and not b.requires_grad:
+            continue
+        size = cfg.grad_itemsize(b.dtype) if grads else dtypes.itemsize(b.dtype)
+        out[b.unit] = out.get(b.unit, 0) + b.padded_numel * size
+    return out
+
+
+def estimate_memory(
+    layout: Layout, cfg: MemoryConfig | None = None, *, fsdp_layout: Layout | None = None
+) -> MemoryReport:
+    """Per-rank bytes for DDP, the flat layout, and ZeRO-2/ZeRO-3/FSDP references.
+
+    ``fsdp_layout`` is the same selection planned with ``align="fsdp"`` (the
+    caller plans it; without it the FSDP row uses ``layout`` itself).
+    """
+    cfg = cfg or MemoryConfig()
+    n = layout.world_size
+    converted, kept, bufs = _tensors_of_layout(layout)
+    buffers = sum(round_up(t.numel * dtypes.itemsize(t.dtype), cfg.round_bytes) for t in bufs)
+    ddp = MemoryBreakdown(
+        "ddp", **_whole(converted + kept, cfg), buffers=buffers, gather=0, reduce=0
+    )
+    flat = _flat_scheme("yafsdp", layout, kept, cfg, buffers, GATHER_BUFFERS, REDUCE_BUFFERS)
+    fsdp = _flat_scheme("fsdp", fsdp_layout or layout, kept, cfg, buffers, 2, 1)
+    unit_params = _unit_bytes(layout, cfg, grads=False)
+    largest = max(unit_params, key=unit_params.get) if unit_params else ""
+    refs = (
+        _zero2(converted, kept, cfg, buffers, n),
+        _zero3(converted, kept, cfg, buffers, n, unit_params.get(largest, 0)),
+        fsdp,
+    )
+    return MemoryReport(cfg, n, ddp, flat, refs, largest, unit_params.get(largest, 0))
+
+
+def _flat_scheme(name, layout, kept, cfg, buffers, n_gather, n_reduce) -> MemoryBreakdown:
+    parts = [_sharded_buffer(b.shard_numel, b.dtype, b.requires_grad, cfg) for b in layout.buffers]
+    whole = _whole(kept, cfg)
+    gather = reduce = 0
+    if layout.world_size > 1:
+        params, grads = _unit_bytes(layout, cfg, False), _unit_bytes(layout, cfg, True)
+        gather = n_gather * max(params.values(), default=0)
+        reduce = n_reduce * max(grads.values(), default=0)
+    return MemoryBreakdown(
+        name, **_add(*parts, whole), buffers=buffers, gather=gather, reduce=reduce
+    )
+
+
+def _zero2(converted, kept, cfg, buffers, n) -> MemoryBreakdown:
+    """Parameters whole; gradients, optimizer states and master weights sharded."""
+    params = _whole([_Tensor(t.numel, t.dtype, False) for t in converted], cfg)
+    shards = [
+        _by_dtype_shard(converted, dtype, n, cfg, with_params=False) for dtype in _dtypes(converted)
+    ]
+    return MemoryBreakdown(
+        "zero2", **_add(params, *shards, _whole(kept, cfg)), buffers=buffers, gather=0, reduce=0
+    )
+
+
+def _zero3(converted, kept, cfg, buffers, n, largest_unit) -> MemoryBreakdown:
+    """Everything sharded evenly (no alignment), the largest unit gathered once."""
+    shards = [_by_dtype_shard(converted, dtype, n, cfg) for dtype in _dtypes(converted)]
+    gather = largest_unit if n > 1 else 0
+    return MemoryBreakdown(
+        "zero3", **_add(*shards, _whole(kept, cfg)), buffers=buffers, gather=gather, reduce=0
+    )
+
+
+def _dtypes(tensors: list[_Tensor]) -> list[str]:
+    return list(dict.fromkeys(t.dtype for t in tensors))
+
+
+def _by_dtype_shard(tensors, dtype, n, cfg, with_params=True) -> dict[str, int]:
+    trainable = sum(t.numel for t in tensors if t.dtype == dtype and t.trainable)
+    frozen = sum(t.numel for t in tensors if t.dtype == dtype and not t.trainable)
+    parts = [_sharded_buffer(-(-trainable // n), dtype, True, cfg, with_params)]
+    if frozen and with_params:
+        parts.append(_sharded_buffer(-(-frozen // n), dtype, False, cfg))
+    return _add(*parts)

@@ -1,0 +1,173 @@
+"""``.pt`` / ``.pth`` / ``.bin`` files: state dicts, and pickled modules refused by default.
+
+State dicts load with ``torch.load(weights_only=True, mmap=True)``: no code from the
+file runs, and tensor data stays on disk until read. A file that pickles a whole
+``nn.Module`` fails that load; we then read the pickle's opcodes (without running
+them) to name the class, and refuse unless ``--trust-pickle`` is given.
+"""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import dtypes
+from ..errors import SourceError
+
+_NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
+_SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
+
+
+def load_torch_file(path: Path, *, trust_pickle: bool) -> tuple[object, list[str]]:
+    """The object in ``path`` (a state dict or, if trusted, a module) and notes."""
+    try:
+        return _load(path, weights_only=True), []
+    except pickle.UnpicklingError as exc:
+        classes = pickled_classes(path)
+        if not classes:
+            raise SourceError(f"{path}: cannot load safely ({_first_line(exc)})") from None
+        if not trust_pickle:
+            raise SourceError(
+                f"{path} holds a pickled {classes[0]}; loading it runs code from the file. "
+                "Pass --trust-pickle if you trust it, or save model.state_dict() instead"
+            ) from None
+    try:
+        return _load(path, weights_only=False), [f"loaded a pickled {classes[0]} (--trust-pickle)"]
+    except Exception as exc:  # the pickle's own code failed: name the class it wanted
+        raise SourceError(f"{path}: unpickling {classes[0]} failed ({_first_line(exc)})") from None
+
+
+def _load(path: Path, *, weights_only: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except pickle.UnpicklingError:
+        raise
+    except RuntimeError as exc:
+        if "mmap" in str(exc) or "zip" in str(exc).lower():  # legacy (non-zip) format
+            try:
+                return torch.load(path, map_location="cpu", weights_only=weights_only)
+            except pickle.UnpicklingError:
+                raise
+            except Exception as inner:
+                raise SourceError(
+                    f"{path}: not a readable torch file ({_first_line(inner)})"
+                ) from None
+        raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
+    except (EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def pickled_classes(path: Path) -> list[str]:
+    """Globals a pickle would import, read from its opcodes without running them;
+    torch's and the standard library's own come last."""
+    data = _pickle_bytes(path)
+    found: list[str] = []
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                found.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # a truncated pickle still tells us what it named so far
+        pass
+    found = list(dict.fromkeys(found))
+    return sorted(found, key=lambda g: g.startswith(_SAFE_GLOBAL_PREFIXES))
+
+
+def _pickle_bytes(path: Path) -> bytes:
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            return z.read(name) if name else b""
+    return path.read_bytes()[: 64 * 1024 * 1024]
+
+
+def find_state_dict(obj: object, path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensor dict in a loaded file: the file itself or a training checkpoint's
+    ``state_dict`` / ``model`` entry."""
+    if _is_tensor_dict(obj):
+        return dict(obj), []
+    if isinstance(obj, dict):
+        for key in _NESTED_KEYS:
+            if _is_tensor_dict(obj.get(key)):
+                return dict(obj[key]), [f"weights taken from the checkpoint's {key!r} entry"]
+        keys = ", ".join(map(repr, list(obj)[:8]))
+        raise SourceError(f"{path}: no state dict found; top-level keys are {keys}")
+    raise SourceError(f"{path}: holds a {type(obj).__name__}, not a state dict or module")
+
+
+def _is_tensor_dict(obj: object) -> bool:
+    return (
+        isinstance(obj, dict)
+        and bool(obj)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )
+
+
+def shared_names(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Canonical name -> other names viewing the very same data (tied weights)."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        if t.device.type == "meta" or not t.numel():
+            continue
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+        )
+        if key in first:
+            aliases.setdefault(first[key], []).append(name)
+        else:
+            first[key] = name
+    return aliases
+
+
+class TensorDictReader:
+    """Byte access to in-memory (or mmapped) tensors by name."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def nbytes(self, name: str) -> int:
+        t = self.tensors[name]
+        return t.numel() * t.element_size()
+
+    def iter_bytes(self, name: str, chunk: int = 16 * 1024 * 1024) -> Iterator[memoryview]:
+        t = self.tensors[name].detach()
+        if not t.numel():
+            return
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()  # (nbytes,), no copy
+        view = memoryview(raw)
+        for start in range(0, len(view), chunk):
+            yield view[start : start + chunk]
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def dtype(self, name: str) -> str:
+        return dtypes.from_torch(self.tensors[name].dtype)
+
+
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every persistent tensor of a module by every name, detached."""
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
