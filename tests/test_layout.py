@@ -157,3 +157,28 @@ def test_buffers_split_by_dtype_and_keep_non_selected_tensors():
     layout = plan(spec)
     assert [b.name for b in layout.buffers] == ["__flat__.bfloat16", "__flat__.float32"]
     assert [t.name for t in layout.kept] == ["steps"]
+
+
+def test_layout_round_trips_through_json_and_refuses_malformed():
+    import json
+
+    from yafsdp_cli.layout import layout_from_dict, layout_to_dict
+
+    spec = ModelSpec(
+        (
+            TensorRecord("a", (3, 2), "bfloat16", aliases=("tied.a",)),
+            TensorRecord("b", (), "float32"),
+            TensorRecord("stats", (4,), "float32", is_param=False),
+        ),
+        has_architecture=False,
+    )
+    layout = plan(spec, filters=["name:a"], world_size=3, align="megatron")
+    data = json.loads(json.dumps(layout_to_dict(layout)))
+    assert layout_from_dict(data) == layout
+    with pytest.raises(LayoutError, match="version 7 is not 1"):
+        layout_from_dict({**data, "version": 7})
+    with pytest.raises(LayoutError, match="malformed.*'buffers'"):
+        layout_from_dict({k: v for k, v in data.items() if k != "buffers"})
+    data["buffers"][0]["padded_numel"] = 129
+    with pytest.raises(LayoutError, match="padded numel 129"):
+        layout_from_dict(data)

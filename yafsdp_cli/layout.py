@@ -35,6 +35,7 @@ BYTES       BYTES bytes               world_size * (BYTES in elements)
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -298,3 +299,70 @@ def _check_buffer(b: BufferLayout, world_size: int) -> None:
             f"{b.name}: padded numel {b.padded_numel} is not {b.end} rounded up to a "
             f"multiple of {b.end_multiple} (world size {world_size})"
         )
+
+
+LAYOUT_VERSION = 1
+
+
+def layout_to_dict(layout: Layout) -> dict:
+    """The layout as plain JSON-able data (``dataclasses.asdict``) with a version."""
+    return {"version": LAYOUT_VERSION, **dataclasses.asdict(layout)}
+
+
+def layout_from_dict(data: dict) -> Layout:
+    """Rebuild and check a layout from ``layout_to_dict`` output (e.g. a file's
+    metadata); anything malformed is a ``LayoutError``."""
+    if not isinstance(data, dict) or data.get("version") != LAYOUT_VERSION:
+        found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        raise LayoutError(
+            f"layout version {found!r} is not {LAYOUT_VERSION}; is this a yafsdp file?"
+        )
+    try:
+        layout = Layout(
+            buffers=tuple(_buffer_from_dict(b) for b in data["buffers"]),
+            kept=tuple(_record_from_dict(t) for t in data["kept"]),
+            world_size=int(data["world_size"]),
+            align=AlignSpec(**data["align"]),
+            units=tuple(str(u) for u in data["units"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"layout metadata is malformed ({type(exc).__name__}: {exc})") from None
+    check_layout(layout)
+    return layout
+
+
+def _buffer_from_dict(b: dict) -> BufferLayout:
+    entries = tuple(
+        FlatEntry(
+            name=str(e["name"]),
+            aliases=tuple(str(a) for a in e["aliases"]),
+            shape=tuple(int(d) for d in e["shape"]),
+            dtype=dtypes.canonical(e["dtype"]),
+            offset=int(e["offset"]),
+            numel=int(e["numel"]),
+        )
+        for e in b["entries"]
+    )
+    ints = ("numel", "end", "padded_numel", "world_size", "start_align", "end_multiple")
+    return BufferLayout(
+        name=str(b["name"]),
+        unit=str(b["unit"]),
+        dtype=dtypes.canonical(b["dtype"]),
+        requires_grad=bool(b["requires_grad"]),
+        entries=entries,
+        **{k: int(b[k]) for k in ints},
+    )
+
+
+def _record_from_dict(t: dict) -> TensorRecord:
+    return TensorRecord(
+        name=str(t["name"]),
+        shape=tuple(int(d) for d in t["shape"]),
+        dtype=dtypes.canonical(t["dtype"]),
+        aliases=tuple(str(a) for a in t["aliases"]),
+        is_param=bool(t["is_param"]),
+        requires_grad=bool(t["requires_grad"]),
+        persistent=bool(t["persistent"]),
+        module_types=tuple(str(m) for m in t["module_types"]),
+        kinds=tuple(str(k) for k in t["kinds"]),
+    )

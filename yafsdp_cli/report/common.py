@@ -1,0 +1,73 @@
+"""Formatting shared by every report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.table import Table
+
+OutputFormat = Literal["table", "json", "markdown"]
+FORMATS = ("table", "json", "markdown")
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (powers of 1024; GiB = 1024**3)."""
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
+
+
+def human_count(n: int) -> str:
+    """``7_000_000_000`` -> ``"7.00B"`` (decimal, for element counts)."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{suffix}"
+    return str(n)
+
+
+def plain(obj: Any) -> Any:
+    """Dataclasses, tuples, paths -> JSON-able builtins."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def json_document(schema: str, payload: dict[str, Any]) -> str:
+    """One JSON document: ``{"schema": ..., **payload}``."""
+    return json.dumps({"schema": schema, **plain(payload)}, indent=2, allow_nan=False)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def rich_table(
+    title: str | None,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    right: Sequence[int] = (),
+) -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="right" if i in right else "left")
+    for r in rows:
+        table.add_row(*(str(v) for v in r))
+    return table
