@@ -1,0 +1,1 @@
+"""Performance bars of PRODUCT.md, each measured beside its floor (``make bench``)."""

@@ -1,0 +1,70 @@
+"""Measuring commands: wall time and peak RSS of a child process, and the floors."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"  # generated inputs; git-ignored
+PYTHON = sys.executable
+YAFSDP = str(Path(PYTHON).with_name("yafsdp"))
+
+
+@dataclass(frozen=True)
+class Run:
+    wall_s: float
+    peak_rss_bytes: int
+    returncode: int
+    stdout: bytes
+
+
+def measure(argv: list[str], *, env: dict | None = None, stdout_to: Path | None = None) -> Run:
+    """Run ``argv`` once; its wall time and peak RSS (``wait4``'s ``ru_maxrss``)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        data = out.read()
+        if code != 0:
+            err.seek(0)
+            sys.stderr.write(err.read().decode(errors="replace"))
+    if stdout_to:
+        stdout_to.write_bytes(data)
+    return Run(wall, usage.ru_maxrss * 1024, code, data)
+
+
+def median_run(argv: list[str], repeat: int = 5, **kw) -> Run:
+    """Median wall time and median peak RSS of ``repeat`` runs (after one warm-up)."""
+    measure(argv, **kw)
+    runs = [measure(argv, **kw) for _ in range(repeat)]
+    return Run(
+        statistics.median(r.wall_s for r in runs),
+        int(statistics.median(r.peak_rss_bytes for r in runs)),
+        max(r.returncode for r in runs),
+        runs[-1].stdout,
+    )
+
+
+def import_floor(repeat: int = 5) -> Run:
+    """The floor every command is compared to: ``python -c "import torch"``."""
+    return median_run([PYTHON, "-W", "ignore", "-c", "import torch"], repeat)
+
+
+def verdict(name: str, measured: float, bar: float, unit: str) -> bool:
+    ok = measured <= bar
+    mark = "PASS" if ok else "FAIL"
+    print(f"  {name:<28} {measured:10.3f} {unit:<3} bar {bar:10.3f} {unit:<3} {mark}")
+    return ok
+
+
+MiB = 1024 * 1024
