@@ -180,6 +180,8 @@ class FlatModel:
     def restore(self) -> nn.Module:
         """Give back ordinary parameters, bit for bit; the handle is dead afterwards."""
         self._hook.remove()
+        for i in range(len(self.buffers)):
+            delattr(self.module, f"{HOLDER}_{i}")  # FlatBuffer.param still holds the data
         for b in self.buffers:
             for i, owners in enumerate(b.owners):
                 value = b.entry_tensor(i).clone()
@@ -192,8 +194,6 @@ class FlatModel:
             params = {k: module._parameters[k] for k in keys}
             module._parameters.clear()
             module._parameters.update(params)
-        for i in range(len(self.buffers)):
-            delattr(self.module, f"{HOLDER}_{i}")
         self.buffers = []
         return self.module
 
