@@ -15,6 +15,7 @@ from torch import nn
 
 from . import dtypes
 from .records import ModelSpec, TensorRecord
+from .units import pick_stacks
 
 
 def module_kinds(module: nn.Module) -> tuple[str, ...]:
@@ -84,17 +85,27 @@ def _record(item: _Owned) -> TensorRecord:
 
 
 def detect_units(module: nn.Module) -> tuple[str, ...]:
-    """Children of the ``ModuleList`` holding the most parameter elements."""
-    best, best_numel = None, 0
+    """Children of the ``ModuleList`` holding the most parameter elements, and of
+    any other list, not nested in a chosen one, at least half as large (T5's
+    encoder and decoder stacks)."""
+    lists = []
     for name, mod in module.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 1:
             numel = sum(p.numel() for p in mod.parameters())
-            if numel > best_numel:
-                best, best_numel = name, numel
-    if best is None:
-        return ()
-    children = module.get_submodule(best).named_children()
-    return tuple(f"{best}.{child}" if best else child for child, _ in children)
+            if numel:
+                lists.append((numel, name))
+    chosen = pick_stacks(lists, _nested)
+    order = {n: i for i, (n, _) in enumerate(module.named_modules())}
+    units = []
+    for name in sorted(chosen, key=order.get):
+        children = module.get_submodule(name).named_children()
+        units += [f"{name}.{child}" if name else child for child, _ in children]
+    return tuple(units)
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether module ``a`` is inside ``b`` or ``b`` inside ``a`` (or the same)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def spec_from_module(

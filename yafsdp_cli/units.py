@@ -30,11 +30,13 @@ def name_prefixes(name: str) -> list[str]:
 
 
 def detect_units_from_names(tensors: Sequence[TensorRecord]) -> tuple[str, ...]:
-    """Numbered container prefixes (``model.layers.0``...) covering the most elements.
+    """Numbered container prefixes (``model.layers.0``...) covering the most elements
+    (and a second stack at least half as large, see ``pick_stacks``).
 
-    A pattern counts only if at least two indices share the same set of suffixes
-    and some suffix is nested (a container block, not a single layer such as the
-    ``Linear`` children of an ``nn.Sequential``).
+    A pattern counts only if it has at least two indices and the suffixes they all
+    share include a nested one: a container block (T5's first block may hold one
+    tensor more than the others), not a single layer such as the ``Linear``
+    children of an ``nn.Sequential``.
     """
     # pattern "model.layers.*" -> prefix "model.layers.3" -> suffixes / numel
     suffixes: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
@@ -45,18 +47,41 @@ def detect_units_from_names(tensors: Sequence[TensorRecord]) -> tuple[str, ...]:
             pattern = t.name[: m.start(1)] + "*"
             suffixes[pattern][prefix].add(t.name[m.end() + 1 :])
             numel[pattern] += t.numel
-    best, best_numel = None, -1
+    candidates = []
     for pattern, blocks in suffixes.items():
-        shapes = defaultdict(int)
-        for suffix_set in blocks.values():
-            shapes[frozenset(suffix_set)] += 1
-        repeated = max(shapes.values()) >= 2
-        nested = any("." in s for sset in blocks.values() for s in sset)
-        if repeated and nested and numel[pattern] > best_numel:
-            best, best_numel = pattern, numel[pattern]
-    if best is None:
-        return ()
-    return tuple(sorted(suffixes[best], key=lambda p: int(p.rsplit(".", 1)[-1])))
+        common = set.intersection(*blocks.values())
+        if len(blocks) >= 2 and any("." in s for s in common):
+            candidates.append((numel[pattern], pattern))
+    chosen = pick_stacks(candidates, _patterns_nested)
+    first_seen = {p: i for i, p in enumerate(suffixes)}
+    units = []
+    for pattern in sorted(chosen, key=first_seen.get):
+        units += sorted(suffixes[pattern], key=lambda p: int(p.rsplit(".", 1)[-1]))
+    return tuple(units)
+
+
+# Besides the largest stack of blocks, another counts if it holds at least this share
+# of the largest's elements and does not overlap a chosen one: an encoder beside its
+# decoder, but not a small vision tower or a block's expert list.
+SECOND_STACK_SHARE = 0.5
+
+
+def pick_stacks(candidates: list[tuple[int, str]], overlap) -> list[str]:
+    """From (numel, name) candidates, the stacks to split into units."""
+    chosen: list[str] = []
+    ranked = sorted(candidates, key=lambda c: -c[0])
+    for size, name in ranked:
+        if chosen and size < SECOND_STACK_SHARE * ranked[0][0]:
+            break
+        if not any(overlap(name, other) for other in chosen):
+            chosen.append(name)
+    return chosen
+
+
+def _patterns_nested(a: str, b: str) -> bool:
+    """``model.layers.*`` and ``model.layers.0.mlp.experts.*`` overlap."""
+    a0, b0 = a[:-1], b[:-1]  # drop the trailing "*"
+    return a0.startswith(b0) or b0.startswith(a0)
 
 
 def resolve_unit_globs(globs: Iterable[str], module_names: Sequence[str]) -> tuple[str, ...]:
