@@ -20,8 +20,14 @@ pay it once per buffer. Assumptions, stated in every report:
   none are needed at world size 1.
 
 Reference schemes: ``zero2`` (gradients, states, master sharded; parameters
-whole), ``zero3`` (everything sharded, no padding; gathers the largest unit), and
-``fsdp`` (the flat scheme with FSDP1 alignment, one gather buffer per prefetch).
+whole), ``zero3`` (everything sharded evenly, no padding; one all-gather buffer
+and one unsharded gradient buffer the size of the largest unit), and ``fsdp`` (the
+flat scheme with FSDP1 alignment: two gathered units, current and prefetched, and
+one unsharded gradient buffer).
+
+Not counted anywhere: activations, temporaries, the optimizer's per-tensor
+``step`` counters (0-d, on the CPU unless ``fused``/``capturable``), communication
+library workspaces and allocator fragmentation beyond the rounding.
 """
 
 from __future__ import annotations
@@ -197,9 +203,10 @@ def estimate_memory(
     fsdp = _flat_scheme("fsdp", fsdp_layout or layout, kept, cfg, buffers, 2, 1)
     unit_params = _unit_bytes(layout, cfg, grads=False)
     largest = max(unit_params, key=unit_params.get) if unit_params else ""
+    largest_grads = max(_unit_bytes(layout, cfg, grads=True).values(), default=0)
     refs = (
         _zero2(converted, kept, cfg, buffers, n),
-        _zero3(converted, kept, cfg, buffers, n, unit_params.get(largest, 0)),
+        _zero3(converted, kept, cfg, buffers, n, unit_params.get(largest, 0), largest_grads),
         fsdp,
     )
     return MemoryReport(cfg, n, ddp, flat, refs, largest, unit_params.get(largest, 0))
@@ -229,12 +236,13 @@ def _zero2(converted, kept, cfg, buffers, n) -> MemoryBreakdown:
     )
 
 
-def _zero3(converted, kept, cfg, buffers, n, largest_unit) -> MemoryBreakdown:
-    """Everything sharded evenly (no alignment), the largest unit gathered once."""
+def _zero3(converted, kept, cfg, buffers, n, largest_unit, largest_grads) -> MemoryBreakdown:
+    """Everything sharded evenly (no alignment); the largest unit gathered once and its
+    gradients held unsharded once, until their reduce-scatter."""
     shards = [_by_dtype_shard(converted, dtype, n, cfg) for dtype in _dtypes(converted)]
-    gather = largest_unit if n > 1 else 0
+    gather, reduce = (largest_unit, largest_grads) if n > 1 else (0, 0)
     return MemoryBreakdown(
-        "zero3", **_add(*shards, _whole(kept, cfg)), buffers=buffers, gather=gather, reduce=0
+        "zero3", **_add(*shards, _whole(kept, cfg)), buffers=buffers, gather=gather, reduce=reduce
     )
 
 
@@ -249,3 +257,51 @@ def _by_dtype_shard(tensors, dtype, n, cfg, with_params=True) -> dict[str, int]:
     if frozen and with_params:
         parts.append(_sharded_buffer(-(-frozen // n), dtype, False, cfg))
     return _add(*parts)
+
+
+def assumptions(report: MemoryReport) -> tuple[str, ...]:
+    """The memory model's assumptions for ``report``, as sentences for the user."""
+    cfg = report.config
+    states = OPTIMIZER_STATES[cfg.optimizer]
+    grad = f"in {cfg.grad_dtype}" if cfg.grad_dtype else "in each parameter's dtype"
+    if cfg.master_weights is False:
+        master = "master weights: off; optimizer states in the parameters' dtype"
+    else:
+        which = "16-bit" if cfg.master_weights is None else "non-float32"
+        auto = " (auto)" if cfg.master_weights is None else ""
+        master = (
+            f"master weights{auto}: a float32 copy of every trainable {which} parameter, "
+            "whose optimizer states are then float32 too"
+        )
+    lines = [
+        f"figures are bytes per rank; every tensor allocation is rounded up to "
+        f"{cfg.round_bytes} bytes (CUDA caching allocator), so per-parameter schemes pay "
+        "it per tensor and flat buffers once per buffer",
+        f"gradients {grad}, one per trainable parameter",
+        f"optimizer {cfg.optimizer}: {states} state(s) per trainable element",
+        master,
+        "module buffers (BatchNorm statistics, rotary tables) are replicated on every rank",
+        "ddp: gradient buckets are not counted (as with gradient_as_bucket_view=True)",
+    ]
+    lines += _sharding_assumptions(report)
+    lines.append(
+        "not counted: activations, temporaries, optimizer step counters, communication "
+        "workspaces, fragmentation beyond the rounding"
+    )
+    return tuple(lines)
+
+
+def _sharding_assumptions(report: MemoryReport) -> list[str]:
+    if report.world_size == 1:
+        return ["world size 1: nothing is sharded, gathered or reduce-scattered"]
+    unit = report.largest_unit or "the root unit"
+    return [
+        f"yafsdp: each rank keeps 1/{report.world_size} of every flat buffer, its gradient, "
+        f"optimizer states and master weights; unconverted parameters stay whole; "
+        f"{GATHER_BUFFERS} all-gather and {REDUCE_BUFFERS} gradient buffers the size of the "
+        f"largest unit ({unit}) exist while units compute",
+        "zero2, zero3 and fsdp are reference estimates: zero2 shards gradients and "
+        "optimizer states, parameters whole; zero3 shards everything evenly and holds one "
+        "gathered unit and its gradients; fsdp is the flat scheme with FSDP1 alignment, "
+        "two gathered units and one gradient buffer",
+    ]

@@ -1,12 +1,112 @@
-"""`yafsdp inspect`: Flat-buffer layout and per-rank memory report, baseline vs flat."""
+"""`yafsdp inspect`: flat-buffer layout and per-rank memory report, baseline vs flat."""
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import YafsdpError
 from .app import app
-from .common import fail
+from .common import (
+    AlignOpt,
+    ExcludeOpt,
+    FilterOpt,
+    JsonOpt,
+    ModelOpt,
+    TrustPickleOpt,
+    UnitOpt,
+    WorldSizeOpt,
+    errors_to_exit,
+    stdout,
+)
+
+FORMATS = ("table", "json", "markdown")
 
 
 @app.command("inspect")
-def inspect_command() -> None:
+def inspect_command(
+    source: Annotated[
+        str | None,
+        typer.Argument(
+            help="A .safetensors file or index, .pt/.pth/.bin state dict, pickled module, "
+            ".pt2 program or Hugging Face folder. Optional with --model.",
+            show_default=False,
+        ),
+    ] = None,
+    filters: FilterOpt = None,
+    excludes: ExcludeOpt = None,
+    units: UnitOpt = None,
+    world_size: WorldSizeOpt = 1,
+    align: AlignOpt = "yafsdp",
+    param_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--param-dtype",
+            help="Training dtype: floating parameters are planned and counted in it "
+            "(default: as stored).",
+            metavar="DTYPE",
+        ),
+    ] = None,
+    grad_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--grad-dtype", help="Gradient dtype (default: the parameter's).", metavar="DTYPE"
+        ),
+    ] = None,
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="adamw | adam | sgd | none: optimizer states.")
+    ] = "adamw",
+    master_weights: Annotated[
+        bool | None,
+        typer.Option(
+            "--master-weights/--no-master-weights",
+            help="float32 master copies of 16-bit parameters (default: on for 16-bit).",
+            show_default=False,
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    json_out: JsonOpt = False,
+    fmt: Annotated[str, typer.Option("--format", help="table | json | markdown.")] = "table",
+    show_all: Annotated[
+        bool,
+        typer.Option("--all", help="Show long tables, shard maps and repeated buffers in full."),
+    ] = False,
+) -> None:
     """Flat-buffer layout and per-rank memory report, baseline vs flat."""
-    raise fail("`yafsdp inspect` is not implemented yet")
+    with errors_to_exit():
+        fmt = "json" if json_out else fmt
+        if fmt not in FORMATS:
+            raise YafsdpError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
+        from ..inspect import inspect_model
+        from ..sources import load_source
+
+        loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+        report = inspect_model(
+            loaded,
+            filters=filters or (),
+            excludes=excludes or (),
+            units=units or (),
+            world_size=world_size,
+            align=align,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            optimizer=optimizer,
+            master_weights=master_weights,
+            model=model,
+        )
+        _render(report, fmt, show_all)
+
+
+def _render(report, fmt: str, show_all: bool) -> None:
+    from ..report import inspect as view
+
+    if fmt == "json":
+        sys.stdout.write(view.to_json(report) + "\n")
+    elif fmt == "markdown":
+        sys.stdout.write(view.to_markdown(report, show_all=show_all))
+    else:
+        for renderable in view.to_rich(report, show_all=show_all):
+            stdout.print(renderable)

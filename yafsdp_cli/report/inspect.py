@@ -1,0 +1,312 @@
+"""Rendering an ``InspectReport``: Rich tables, markdown, and the JSON document.
+
+Every view is built from the same row builders, so the terminal and markdown say
+the same thing. Long tables fold (first rows, a "... N more" line, last rows)
+unless ``show_all``; buffers with the same layout (one per transformer block) are
+shown once for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import dtypes
+from ..inspect import SCHEMA, BufferInfo, InspectReport, shard_rows
+from .common import human_bytes, human_count, json_document, markdown_table, plain
+
+ENTRY_HEAD, ENTRY_TAIL = 16, 4  # rows shown of a folded buffer table
+RANK_HEAD, RANK_TAIL = 4, 2  # ranks shown of a folded shard map
+PIECES_SHOWN = 3  # pieces named per rank in a shard map
+SCHEME_HEADERS = {
+    "ddp": "DDP (baseline)",
+    "yafsdp": "yafsdp flat",
+    "zero2": "ZeRO-2*",
+    "zero3": "ZeRO-3*",
+    "fsdp": "FSDP*",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One table of the report: a title, headers, rows and a caption."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    right: tuple[int, ...] = ()  # right-aligned columns
+    caption: str = ""
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def to_json(report: InspectReport) -> str:
+    """The ``yafsdp.inspect/1`` document (see ``schemas/inspect.schema.json``).
+
+    Shard maps are not in it: each buffer's ``shard_numel`` and entry offsets
+    determine them (rank r owns ``flat[r * shard_numel : (r + 1) * shard_numel]``),
+    and listing them would add tens of thousands of rows for a 70B model at world
+    size 256.
+    """
+    return json_document(
+        SCHEMA,
+        {
+            "source_kind": report.source_kind,
+            "has_architecture": report.has_architecture,
+            "inputs": report.inputs,
+            "params": report.params,
+            "module_buffers": report.module_buffers,
+            "units": report.units,
+            "buffers": report.buffers,
+            "memory": report.memory,
+            "notes": report.notes,
+            "assumptions": report.assumptions,
+        },
+    )
+
+
+def payload(report: InspectReport) -> dict:
+    """The JSON document as Python data (what ``to_json`` prints)."""
+    import json
+
+    return json.loads(to_json(report))
+
+
+# ---------------------------------------------------------------- sections
+
+
+def sections(report: InspectReport, *, show_all: bool = False) -> list[Section]:
+    """Every table of the report, in display order."""
+    out = [summary_section(report)]
+    shown = _shown_buffers(report, show_all)
+    for i, others in shown:
+        out.append(buffer_section(report, i, others, show_all))
+    if report.inputs.world_size > 1:
+        for i, _ in shown:
+            out.append(shard_section(report, i, show_all))
+    out.append(memory_section(report))
+    return out
+
+
+def _shown_buffers(report: InspectReport, show_all: bool) -> list[tuple[int, tuple[int, ...]]]:
+    """(buffer index, other buffers it stands for) for each table to show."""
+    if show_all:
+        return [(i, ()) for i in range(len(report.buffers))]
+    return [(g.members[0], g.members[1:]) for g in report.groups]
+
+
+def summary_section(report: InspectReport) -> Section:
+    p, inp, mb = report.params, report.inputs, report.module_buffers
+    shared = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in p.shared) or "none found"
+    converted = _percent(p.converted_numel, p.total_numel)
+    rows = [
+        ("source", f"{inp.source or inp.model} ({report.source_kind})"),
+        ("architecture", "yes" if report.has_architecture else "no (names, shapes, dtypes only)"),
+        ("parameters", f"{human_count(p.total_numel)} ({p.total_numel:,} in {p.total_count})"),
+        (
+            "converted",
+            f"{human_count(p.converted_numel)} ({p.converted_count} tensors, {converted}) "
+            f"in {len(report.buffers)} flat buffers",
+        ),
+        (
+            "not converted",
+            f"{human_count(p.unconverted_numel)} ({p.unconverted_count} tensors, kept whole)",
+        ),
+        ("shared (tied)", shared),
+        ("module buffers", f"{mb.count} ({human_bytes(mb.bytes)}, replicated)"),
+        (
+            "padding",
+            f"{p.padding_numel:,} elements, {human_bytes(p.padding_bytes)} "
+            f"({p.padding_percent:.3f}% of the flat buffers)",
+        ),
+        ("units", _units_text(report.units)),
+        ("world size / align", f"{inp.world_size} / {inp.align}"),
+    ]
+    return Section("yafsdp inspect", ("", ""), tuple(rows))
+
+
+def _units_text(units: Sequence[str]) -> str:
+    if not units:
+        return "none: everything in the root unit"
+    span = units[0] if len(units) == 1 else f"{units[0]} ... {units[-1]}"
+    return f"{len(units)} ({span}) + the root unit"
+
+
+def buffer_section(
+    report: InspectReport, index: int, others: Sequence[int], show_all: bool
+) -> Section:
+    b = report.buffers[index]
+    rows = [
+        (
+            e.name,
+            f"{e.offset:,}",
+            f"{e.numel:,}",
+            _shape(e.shape),
+            dtypes.short(e.dtype),
+            ", ".join(e.aliases),
+        )
+        for e in b.entries
+    ]
+    rows = _fold(rows, ENTRY_HEAD, ENTRY_TAIL, show_all, "entries")
+    title = f"{b.name}  ({_buffer_facts(b)})"
+    caption = ""
+    if others:
+        names = [report.buffers[i].unit or report.buffers[i].name for i in others]
+        caption = f"+{len(others)} more buffers with this layout: {_span(names)} (--all shows each)"
+    headers = ("entry", "offset", "numel", "shape", "dtype", "aliases")
+    return Section(title, headers, tuple(rows), right=(1, 2), caption=caption)
+
+
+def _buffer_facts(b: BufferInfo) -> str:
+    frozen = ", frozen" if not b.requires_grad else ""
+    return (
+        f"{dtypes.short(b.dtype)}{frozen}, {len(b.entries)} entries, {b.numel:,} elements, "
+        f"padded to {b.padded_numel:,} (+{b.padding_numel:,}), {human_bytes(b.bytes)}"
+    )
+
+
+def shard_section(report: InspectReport, index: int, show_all: bool) -> Section:
+    b = report.buffers[index]
+    n = report.inputs.world_size
+    ranks = _folded_ranks(n, show_all)
+    layout_buffer = report.layout.buffers[index]
+    rows: list[tuple[str, ...]] = []
+    prev = -1
+    for r in shard_rows(layout_buffer, ranks):
+        if r.rank != prev + 1:
+            rows.append(("...", "", f"{r.rank - prev - 1} more ranks (--all shows them)", ""))
+        prev = r.rank
+        holds = _pieces(r.pieces, b.unit)
+        rows.append((str(r.rank), f"[{r.start:,}:{r.end:,}]", holds, f"{r.padding_numel:,}"))
+    caption = (
+        f"shard map: rank r owns flat[r * {b.shard_numel:,} : (r + 1) * {b.shard_numel:,}]"
+        + ("" if not b.unit else f"; names relative to {b.unit}")
+    )
+    headers = ("rank", "flat slice", "holds", "padding")
+    return Section(f"{b.name}: shards", headers, tuple(rows), right=(0, 3), caption=caption)
+
+
+def _folded_ranks(n: int, show_all: bool) -> list[int]:
+    if show_all or n <= RANK_HEAD + RANK_TAIL:
+        return list(range(n))
+    return [*range(RANK_HEAD), *range(n - RANK_TAIL, n)]
+
+
+def _pieces(pieces, unit: str) -> str:
+    def short(name: str) -> str:
+        return name[len(unit) + 1 :] if unit and name.startswith(unit + ".") else name
+
+    text = [f"{short(p.entry)}[{p.start:,}:{p.end:,}]" for p in pieces[:PIECES_SHOWN]]
+    if len(pieces) > PIECES_SHOWN:
+        text.append(f"... (+{len(pieces) - PIECES_SHOWN})")
+    return ", ".join(text) or "(padding only)"
+
+
+def memory_section(report: InspectReport) -> Section:
+    m = report.memory
+    schemes = m.schemes
+    fields = (
+        ("parameters", "params"),
+        ("gradients", "grads"),
+        ("optimizer states", "optimizer"),
+        ("master weights", "master"),
+        ("module buffers", "buffers"),
+        ("persistent", "persistent"),
+        ("all-gather buffers", "gather"),
+        ("gradient buffers", "reduce"),
+        ("total per rank", "total"),
+        ("saved vs DDP", "savings_bytes"),
+    )
+    rows = [(label, *(human_bytes(getattr(s, f)) for s in schemes)) for label, f in fields]
+    rows.append(("saved vs DDP %", *(f"{s.savings_percent:.1f}%" for s in schemes)))
+    unit = m.largest_unit or "the root unit"
+    caption = (
+        f"largest unit: {unit}, {human_bytes(m.largest_unit_bytes)} of parameters; "
+        "* reference estimates; GiB = 1024**3"
+    )
+    headers = ("per rank", *(SCHEME_HEADERS.get(s.scheme, s.scheme) for s in schemes))
+    title = f"memory per rank at world size {report.inputs.world_size}"
+    right = tuple(range(1, len(headers)))
+    return Section(title, headers, tuple(rows), right=right, caption=caption)
+
+
+def notes(report: InspectReport) -> list[str]:
+    """Everything the figures rest on: the source's notes, then the assumptions."""
+    return [*report.notes, *report.assumptions]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _fold(rows: list, head: int, tail: int, show_all: bool, what: str) -> list:
+    if show_all or len(rows) <= head + tail + 1:
+        return rows
+    width = len(rows[0])
+    gap = (f"... {len(rows) - head - tail} more {what} (--all shows them)",) + ("",) * (width - 1)
+    return [*rows[:head], gap, *rows[-tail:]]
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "0%"
+
+
+# ---------------------------------------------------------------- renderers
+
+
+def to_markdown(report: InspectReport, *, show_all: bool = False) -> str:
+    parts = []
+    for s in sections(report, show_all=show_all):
+        parts.append(f"### {_md_escape(s.title)}\n")
+        headers = s.headers if any(s.headers) else ("", "")
+        parts.append(markdown_table(headers, s.rows))
+        if s.caption:
+            parts.append(f"\n_{_md_escape(s.caption)}_")
+        parts.append("")
+    parts.append("### Notes and assumptions\n")
+    parts += [f"- {line}" for line in notes(report)]
+    return "\n".join(parts) + "\n"
+
+
+def _md_escape(text: str) -> str:
+    """Underscores and asterisks outside words would turn into emphasis."""
+    return text.replace("_", "\\_").replace("*", "\\*")
+
+
+def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
+    """Rich renderables, in order, for a console to print."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = []
+    for s in sections(report, show_all=show_all):
+        # Text objects, not strings: names and slices hold brackets Rich would read as markup.
+        table = Table(
+            title=Text(s.title, style="bold"),
+            title_justify="left",
+            header_style="bold",
+            caption=Text(s.caption) if s.caption else None,
+            caption_justify="left",
+            show_header=any(s.headers),
+        )
+        for i, h in enumerate(s.headers):
+            table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
+        for row in s.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        out.append(table)
+    text = Text("Notes and assumptions\n", style="bold")
+    for line in notes(report):
+        text.append(f"- {line}\n")
+    out.append(text)
+    return out
+
+
+__all__ = ["Section", "payload", "plain", "sections", "to_json", "to_markdown", "to_rich"]
