@@ -98,12 +98,12 @@ def _load_path(path: Path, trust_pickle: bool) -> LoadedModel:
     name = path.name.lower()
     if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
         return load_safetensors(path)
-    if name.endswith(TORCH_SUFFIXES):
+    if name.endswith(TORCH_SUFFIXES) or name.endswith(".index.json"):  # pytorch_model.bin sets
         return load_torch(path, trust_pickle)
     if name.endswith(".pt2"):
         from .export import load_export
 
-        return load_export(path)
+        return load_export(path, trust_pickle)
     return _sniff(path, trust_pickle)
 
 
@@ -226,11 +226,15 @@ def load_torch(path: Path, trust_pickle: bool) -> LoadedModel:
         TensorDictReader,
         find_state_dict,
         load_torch_file,
+        load_torch_index,
         module_tensors,
         shared_names,
     )
 
-    obj, notes = load_torch_file(path, trust_pickle=trust_pickle)
+    if path.name.endswith(".index.json"):
+        obj, notes = load_torch_index(path), []
+    else:
+        obj, notes = load_torch_file(path, trust_pickle=trust_pickle)
     if isinstance(obj, nn.Module):
         spec = spec_from_module(obj, source=str(path), source_kind="pickled module", notes=notes)
         return LoadedModel(

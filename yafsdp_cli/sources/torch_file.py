@@ -110,6 +110,40 @@ def find_state_dict(obj: object, path: Path) -> tuple[dict[str, torch.Tensor], l
     raise SourceError(f"{path}: holds a {type(obj).__name__}, not a state dict or module")
 
 
+def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a sharded ``pytorch_model.bin.index.json`` set, each shard loaded
+    with ``weights_only=True`` and mmap; the weight_map must match the shards."""
+    import json
+
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceError(f"{path}: not valid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SourceError(f"{path}: no weight_map; is this a checkpoint index?")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in dict.fromkeys(map(str, weight_map.values())):
+        shard = path.parent / file
+        if not shard.is_file():
+            raise SourceError(f"{path}: weight_map names {file!r}, which does not exist")
+        obj, _ = load_torch_file(shard, trust_pickle=False)
+        part, _ = find_state_dict(obj, shard)
+        for name, t in part.items():
+            if weight_map.get(name) != file:
+                raise SourceError(
+                    f"{path}: {file} holds {name!r}, but the weight_map puts it in "
+                    f"{weight_map.get(name)!r}"
+                )
+            tensors[name] = t
+    missing = [n for n in weight_map if n not in tensors]
+    if missing:
+        raise SourceError(f"{path}: weight_map names {missing[:3]}, which no shard holds")
+    return tensors
+
+
 def _is_tensor_dict(obj: object) -> bool:
     return (
         isinstance(obj, dict)
