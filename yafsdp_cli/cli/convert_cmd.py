@@ -1,24 +1,204 @@
-"""`yafsdp convert`: Write a flat-buffer checkpoint."""
+"""`yafsdp convert`, `restore`, `reshard`: flat-buffer checkpoints."""
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
 from .app import app
-from .common import fail
+from .common import (
+    EXIT_CHECK_FAILED,
+    AlignOpt,
+    ExcludeOpt,
+    FilterOpt,
+    ForceOpt,
+    JsonOpt,
+    ModelOpt,
+    TrustPickleOpt,
+    UnitOpt,
+    WorldSizeOpt,
+    errors_to_exit,
+    stderr,
+    stdout,
+)
+
+OutputOpt = Annotated[
+    Path,
+    typer.Option(
+        "--output",
+        "-o",
+        help="Where to write: a .safetensors file, or a folder with --sharded.",
+        show_default=False,
+    ),
+]
+ShardedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--sharded",
+        help="Write a folder: one file per rank (slice r of every buffer, plus the kept "
+        "tensors) and yafsdp.index.json.",
+    ),
+]
+FlatArg = Annotated[
+    Path,
+    typer.Argument(
+        help="A flat checkpoint: a .safetensors file, or a sharded set's folder or index.",
+        show_default=False,
+    ),
+]
+
+
+class ProgressBar:
+    """A transient Rich bar on stderr, shown only for work that lasts over a second,
+    and never under --json or when stderr is not a terminal."""
+
+    DELAY_S = 1.0
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and stderr.is_terminal
+        self.start = time.monotonic()
+        self.bar = None
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled or (self.bar is None and time.monotonic() - self.start < self.DELAY_S):
+            return
+        if self.bar is None:
+            from rich.progress import DownloadColumn, Progress, TimeRemainingColumn
+
+            columns = (*Progress.get_default_columns()[:2], DownloadColumn(binary_units=True))
+            self.bar = Progress(*columns, TimeRemainingColumn(), console=stderr, transient=True)
+            self.bar.start()
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(phase, total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _print(lines) -> None:
+    for line in lines:
+        stdout.print(line)
 
 
 @app.command("convert")
-def convert_command() -> None:
-    """Write a flat-buffer checkpoint."""
-    raise fail("`yafsdp convert` is not implemented yet")
+def convert_command(
+    source: Annotated[
+        str | None,
+        typer.Argument(
+            help="A .safetensors file or index, .pt/.pth/.bin state dict, pickled module or "
+            "Hugging Face folder. Optional with --model (the factory's own weights).",
+            show_default=False,
+        ),
+    ] = None,
+    output: OutputOpt = ...,
+    filters: FilterOpt = None,
+    excludes: ExcludeOpt = None,
+    units: UnitOpt = None,
+    world_size: WorldSizeOpt = 1,
+    align: AlignOpt = "yafsdp",
+    sharded: ShardedOpt = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Read the written checkpoint back and compare every tensor with the source "
+            "before it is renamed into place (exit 1 and nothing written on a mismatch).",
+        ),
+    ] = False,
+    model: ModelOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a flat-buffer checkpoint (one file, or one file per rank with --sharded)."""
+    with errors_to_exit():
+        from ..checkpoint import convert_checkpoint
+        from ..report import checkpoint as view
+
+        with ProgressBar(not json_out) as bar:
+            result = convert_checkpoint(
+                source,
+                output,
+                model=model,
+                trust_pickle=trust_pickle,
+                filters=filters or (),
+                excludes=excludes or (),
+                units=units or None,
+                world_size=world_size,
+                align=align,
+                sharded=sharded,
+                force=force,
+                verify=verify,
+                progress=bar,
+            )
+        if json_out:
+            sys.stdout.write(view.convert_json(result) + "\n")
+        else:
+            _print(view.convert_view(result))
+        if not result.written:
+            raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 @app.command("restore")
-def restore_command() -> None:
-    """Flat-buffer checkpoint back to an ordinary state dict."""
-    raise fail("`yafsdp restore` is not implemented yet")
+def restore_command(
+    flat: FlatArg,
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="The state dict to write: .safetensors (streamed), or .pt/.pth/.bin "
+            "(torch.save; holds the model in memory once).",
+            show_default=False,
+        ),
+    ],
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Flat-buffer checkpoint back to an ordinary state dict, bit for bit."""
+    with errors_to_exit():
+        from ..checkpoint import restore_checkpoint
+        from ..report import checkpoint as view
+
+        with ProgressBar(not json_out) as bar:
+            result = restore_checkpoint(flat, output, force=force, progress=bar)
+        if json_out:
+            sys.stdout.write(view.restore_json(result) + "\n")
+        else:
+            _print(view.restore_view(result))
 
 
 @app.command("reshard")
-def reshard_command() -> None:
-    """Re-split a flat checkpoint for another rank count."""
-    raise fail("`yafsdp reshard` is not implemented yet")
+def reshard_command(
+    flat: FlatArg,
+    world_size: Annotated[
+        int, typer.Option("--world-size", "-n", min=1, help="The new number of ranks.")
+    ],
+    output: OutputOpt,
+    sharded: ShardedOpt = False,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-split a flat checkpoint for another rank count (no model needed)."""
+    with errors_to_exit():
+        from ..checkpoint import reshard_checkpoint
+        from ..report import checkpoint as view
+
+        with ProgressBar(not json_out) as bar:
+            result = reshard_checkpoint(
+                flat, output, world_size=world_size, sharded=sharded, force=force, progress=bar
+            )
+        if json_out:
+            sys.stdout.write(view.reshard_json(result) + "\n")
+        else:
+            _print(view.reshard_view(result))

@@ -1,0 +1,55 @@
+"""Flat-buffer checkpoints: write (convert), read back (restore), re-split (reshard).
+
+A flat checkpoint is a plain safetensors file: each flat buffer is one 1-D tensor
+named by its ``BufferLayout.name`` (padding included, padding bytes zero), every
+other tensor keeps its name, and ``__metadata__`` holds the layout and a checksum
+per stored tensor (see ``format.py``). With ``sharded=True`` it is a folder of
+``rank-RRRRR-of-NNNNN.safetensors`` files, rank ``r`` holding slice ``r`` of every
+buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
+
+Everything streams: no function here holds a model, and none imports torch except
+``restore`` to ``.pt`` (and a source that needs it, such as a ``.pt`` state dict).
+
+>>> from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
+>>> convert_checkpoint("model.safetensors", "flat.safetensors", world_size=8)  # doctest: +SKIP
+>>> restore_checkpoint("flat.safetensors", "model.restored.safetensors")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .convert import convert_checkpoint, write_converted
+from .format import CHECKSUM_ALGO, FORMAT_VERSION, INDEX_NAME
+from .reader import FlatCheckpoint, open_flat
+from .reshard import relayout, reshard_checkpoint
+from .restore import restore_checkpoint
+from .results import (
+    BufferInfo,
+    CheckpointInfo,
+    ConvertResult,
+    Progress,
+    ReshardResult,
+    RestoreResult,
+    RoundTrip,
+    WrittenFile,
+)
+
+__all__ = [
+    "CHECKSUM_ALGO",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "BufferInfo",
+    "CheckpointInfo",
+    "ConvertResult",
+    "FlatCheckpoint",
+    "Progress",
+    "ReshardResult",
+    "RestoreResult",
+    "RoundTrip",
+    "WrittenFile",
+    "convert_checkpoint",
+    "open_flat",
+    "relayout",
+    "reshard_checkpoint",
+    "restore_checkpoint",
+    "write_converted",
+]

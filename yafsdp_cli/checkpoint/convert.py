@@ -1,0 +1,241 @@
+"""``convert_checkpoint``: a model source to a flat-buffer checkpoint, streamed.
+
+Each flat buffer is assembled from its entries' source bytes, read tensor by tensor
+(``loaded.reader.iter_bytes``: plain file reads for safetensors, so torch is not
+even imported) and written in order; the model is never held in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import CheckpointError, SourceError
+from ..layout import BufferLayout, Layout
+from ..plan import plan
+from ..sources import LoadedModel, load_source
+from .engine import stored_kept, write_flat, zeros
+from .format import KEY_FORMAT
+from .reader import open_flat
+from .results import ConvertResult, Progress, RoundTrip
+from .writer import check_output, staged_output
+
+
+def convert_checkpoint(
+    source: str | Path | None,
+    out: str | Path,
+    *,
+    model: str | None = None,
+    trust_pickle: bool = False,
+    filters: Sequence[str] = (),
+    excludes: Sequence[str] = (),
+    units: Sequence[str] | None = None,
+    world_size: int = 1,
+    align: str = "yafsdp",
+    sharded: bool = False,
+    force: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Load ``source`` (and/or ``--model``), plan its layout and write the checkpoint.
+
+    >>> from yafsdp_cli.checkpoint import convert_checkpoint
+    >>> r = convert_checkpoint("sample_models/mlp.safetensors", "/tmp/mlp.flat.safetensors",
+    ...                        world_size=2, force=True)  # doctest: +SKIP
+    >>> r.checkpoint.buffers[0].name  # doctest: +SKIP
+    '__flat__.float32'
+    """
+    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+    refuse_flat_source(loaded)
+    layout = plan(
+        loaded.spec,
+        filters=list(filters or ()),
+        excludes=list(excludes or ()),
+        units=list(units) if units else None,
+        world_size=world_size,
+        align=align,
+    )
+    return write_converted(
+        loaded, layout, Path(out), sharded=sharded, force=force, verify=verify, progress=progress
+    )
+
+
+def refuse_flat_source(loaded: LoadedModel) -> None:
+    if KEY_FORMAT in loaded.spec.metadata:
+        raise CheckpointError(
+            f"{loaded.spec.source} is already a flat-buffer checkpoint; use `yafsdp reshard` "
+            "to split it for another world size, or `yafsdp restore` for the state dict"
+        )
+
+
+def write_converted(
+    loaded: LoadedModel,
+    layout: Layout,
+    out: Path,
+    *,
+    sharded: bool = False,
+    force: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``."""
+    if not sharded and not out.name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"output {out}: a flat checkpoint is a .safetensors file (or, with --sharded, "
+            "a folder of rank files)"
+        )
+    loaded = with_weights(loaded)
+    check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
+    reads = _Reads(loaded)
+    name = Path(loaded.spec.source).name if loaded.path else loaded.spec.source
+    with staged_output(out, folder=sharded) as staged:
+        info = write_flat(
+            staged.temp,
+            layout,
+            sharded=sharded,
+            buffer_bytes=reads.buffer,
+            kept_bytes=lambda t: reads.tensor(t, t.nbytes),
+            source=name,
+            source_metadata=loaded.spec.metadata,
+            progress=progress,
+            final=out,
+        )
+        bytes_read = reads.total
+        check = round_trip(loaded, layout, staged.temp, progress) if verify else None
+        staged.keep = check is None or check.ok
+    return ConvertResult(
+        source=loaded.spec.source,
+        source_kind=loaded.spec.source_kind,
+        written=staged.keep,
+        checkpoint=info,
+        converted=sum(len(b.entries) for b in layout.buffers),
+        converted_numel=layout.converted_numel,
+        bytes_read=bytes_read,
+        notes=tuple(loaded.spec.notes),
+        verify=check,
+    )
+
+
+def with_weights(loaded: LoadedModel) -> LoadedModel:
+    """A source with a reader: ``--model`` alone is built for real (seeded)."""
+    if loaded.reader is not None:
+        return loaded
+    from dataclasses import replace
+
+    from ..sources.torch_file import TensorDictReader, module_tensors
+
+    module = loaded.build_module()
+    spec = replace(
+        loaded.spec,
+        notes=(*loaded.spec.notes, "no weights given: the factory's own initialization (seed 0)"),
+    )
+    return replace(loaded, spec=spec, reader=TensorDictReader(module_tensors(module)))
+
+
+def input_files(loaded: LoadedModel) -> list[Path]:
+    files = [h.path for h in getattr(loaded.reader, "headers", ())]
+    if loaded.path is not None:
+        files.append(loaded.path)
+    return files
+
+
+@dataclass
+class _Reads:
+    """The source's bytes for layout entries and kept tensors, counted."""
+
+    loaded: LoadedModel
+    total: int = 0
+
+    def tensor(self, record, nbytes: int) -> Iterator[memoryview]:
+        stored = self.loaded.stored_name(record)
+        have = self.loaded.reader.nbytes(stored)
+        if have != nbytes:
+            raise SourceError(
+                f"{self.loaded.spec.source}: {stored!r} holds {have} bytes, but the layout "
+                f"needs {nbytes} for it"
+            )
+        seen = 0
+        for chunk in self.loaded.reader.iter_bytes(stored):
+            seen += len(chunk)
+            yield chunk
+        if seen != nbytes:
+            raise SourceError(f"{self.loaded.spec.source}: {stored!r} ended after {seen} bytes")
+        self.total += nbytes
+
+    def buffer(self, b: BufferLayout) -> Iterator[memoryview]:
+        """The whole logical buffer: entries in flat order, zeros between and after."""
+        isz = dtypes.itemsize(b.dtype)
+        pos = 0
+        for e in b.entries:
+            yield from zeros((e.offset - pos) * isz)
+            yield from self.tensor(e, e.numel * isz)
+            pos = e.offset + e.numel
+        yield from zeros((b.padded_numel - pos) * isz)
+
+
+def round_trip(
+    loaded: LoadedModel, layout: Layout, written: Path, progress: Progress | None
+) -> RoundTrip:
+    """Open what was written like ``restore`` does (structure, checksums, padding),
+    then compare every tensor's bytes with the source's."""
+    ckpt = open_flat(written)
+    ckpt.verify(progress)
+    mismatches = [] if ckpt.layout == layout else ["layout"]
+    reads, count, compared = _Reads(loaded), 0, 0
+    total = sum(e.numel * dtypes.itemsize(b.dtype) for b in layout.buffers for e in b.entries)
+    total += sum(t.nbytes for t in stored_kept(layout))
+    for b in layout.buffers:
+        isz = dtypes.itemsize(b.dtype)
+        for e in b.entries:
+            flat = ckpt.read_range(b, e.offset * isz, (e.offset + e.numel) * isz)
+            if not equal_streams(reads.tensor(e, e.numel * isz), flat):
+                mismatches.append(e.name)
+            count, compared = count + 1, compared + e.numel * isz
+            _tick(progress, compared, total)
+    for t in stored_kept(layout):
+        if not equal_streams(reads.tensor(t, t.nbytes), ckpt.kept_bytes(t.name)):
+            mismatches.append(t.name)
+        count, compared = count + 1, compared + t.nbytes
+        _tick(progress, compared, total)
+    return RoundTrip(
+        ok=not mismatches,
+        tensors=count,
+        nbytes=compared,
+        mismatches=tuple(mismatches),
+        model_check=model_check(loaded, layout),
+    )
+
+
+def _tick(progress: Progress | None, done: int, total: int) -> None:
+    if progress is not None:
+        progress("comparing", done, total)
+
+
+def equal_streams(a, b) -> bool:
+    """Two chunk streams hold the same bytes (chunk boundaries may differ). Each
+    iterator is advanced only once its current chunk is used up."""
+    ia, ib = iter(a), iter(b)
+    ca = cb = memoryview(b"")
+    while True:
+        while ca is not None and not len(ca):
+            ca = _next(ia)
+        while cb is not None and not len(cb):
+            cb = _next(ib)
+        if ca is None or cb is None:
+            return ca is None and cb is None
+        n = min(len(ca), len(cb))
+        if ca[:n].tobytes() != cb[:n].tobytes():
+            return False
+        ca, cb = ca[n:], cb[n:]
+
+
+def _next(it):
+    chunk = next(it, None)
+    return None if chunk is None else memoryview(chunk).cast("B")
+
+
+def model_check(loaded: LoadedModel, layout: Layout) -> str:
+    """The forward/backward check of ``yafsdp verify`` when it can run here."""
+    return "not run: the forward/backward check is not available in this build"

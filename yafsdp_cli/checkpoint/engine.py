@@ -1,0 +1,253 @@
+"""Writing a flat checkpoint from byte streams: one file, or one file per rank.
+
+The caller gives, for every buffer, an iterator over the bytes of the whole
+logical buffer (``padded_numel`` elements: entries and zero padding in flat
+order) and, for every kept tensor, an iterator over its bytes. ``write_flat``
+routes each buffer's stream to the rank files (rank ``r`` gets bytes
+``[r * S, (r + 1) * S)``, ``S`` the shard size in bytes) and copies every kept
+tensor into every rank file, so each rank loads exactly one self-contained file.
+
+Every file has the same tensors in the same data order (``format.data_order``),
+and buffers are streamed in that order, so each file is appended front to back
+while only one file handle is open at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import CheckpointError
+from ..layout import BufferLayout, Layout
+from ..records import TensorRecord
+from .format import (
+    CHECKSUM_ALGO,
+    FORMAT_VERSION,
+    INDEX_FORMAT,
+    INDEX_NAME,
+    KEY_FORMAT,
+    KEY_LAYOUT,
+    KEY_LAYOUT_SUM,
+    KEY_RANK,
+    KEY_SHARDS,
+    KEY_SOURCE,
+    KEY_SOURCE_META,
+    KEY_VERSION,
+    KIND_FLAT,
+    KIND_SHARD,
+    TensorSlot,
+    checksum_of,
+    data_order,
+    layout_text,
+    rank_file_name,
+)
+from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
+from .writer import ZEROS, FileWriter
+
+Chunks = Iterable  # of bytes-like chunks
+
+
+def stored_kept(layout: Layout) -> tuple[TensorRecord, ...]:
+    """Kept tensors that are stored: non-persistent buffers are in no state dict."""
+    return tuple(t for t in layout.kept if t.persistent)
+
+
+def file_slots(layout: Layout, shards: int) -> list[TensorSlot]:
+    """The tensors of each file (every rank file has the same), in data order."""
+    slots = [TensorSlot(b.name, b.dtype, (b.padded_numel // shards,)) for b in layout.buffers]
+    slots += [TensorSlot(t.name, t.dtype, t.shape) for t in stored_kept(layout)]
+    return data_order(slots)
+
+
+def zeros(nbytes: int) -> Iterator[memoryview]:
+    view = memoryview(ZEROS)
+    while nbytes > 0:
+        k = min(nbytes, len(view))
+        yield view[:k]
+        nbytes -= k
+
+
+def base_metadata(layout: Layout, source: str, source_metadata: dict[str, str]) -> dict:
+    text = layout_text(layout)
+    return {
+        "format": "pt",
+        KEY_VERSION: str(FORMAT_VERSION),
+        KEY_LAYOUT: text,
+        KEY_LAYOUT_SUM: checksum_of(text.encode()),
+        KEY_SOURCE: source,
+        KEY_SOURCE_META: json.dumps(source_metadata, separators=(",", ":")),
+    }
+
+
+class _Counter:
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress("writing", self.done, self.total)
+
+
+def write_flat(
+    target: Path,
+    layout: Layout,
+    *,
+    sharded: bool,
+    buffer_bytes: Callable[[BufferLayout], Chunks],
+    kept_bytes: Callable[[TensorRecord], Chunks],
+    source: str = "",
+    source_metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
+    final: Path | None = None,
+) -> CheckpointInfo:
+    """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
+    folder when ``sharded``); paths in the result use ``final`` (the name it will
+    be renamed to)."""
+    final = final or target
+    shards = layout.world_size if sharded else 1
+    slots = file_slots(layout, shards)
+    meta = base_metadata(layout, source, dict(source_metadata or {}))
+    paths = [target / rank_file_name(r, shards) for r in range(shards)] if sharded else [target]
+    writers: list[FileWriter] = []
+    try:
+        for r, path in enumerate(paths):
+            extra = {KEY_FORMAT: KIND_SHARD, KEY_RANK: str(r), KEY_SHARDS: str(shards)}
+            md = {**meta, **(extra if sharded else {KEY_FORMAT: KIND_FLAT})}
+            writers.append(FileWriter(path, slots, md))
+            writers[-1].suspend()
+        _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress)
+        for w in writers:
+            w.finish()
+    finally:
+        for w in writers:
+            w.close()
+    if sharded:
+        _write_index(target, layout, writers, meta)
+    return _info(final, layout, sharded, writers)
+
+
+def _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress) -> None:
+    buffers = {b.name: b for b in layout.buffers}
+    kept = {t.name: t for t in stored_kept(layout)}
+    tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
+    switch = _Switch()
+    for slot in slots:
+        if slot.name in buffers:
+            b = buffers[slot.name]
+            size = b.padded_numel // shards * dtypes.itemsize(b.dtype)
+            _scatter(writers, slot.name, size, buffer_bytes(b), switch, tick)
+        else:
+            _broadcast(writers, slot.name, kept_bytes(kept[slot.name]), switch, tick)
+
+
+class _Switch:
+    """Keeps at most one rank file open: the one being written."""
+
+    def __init__(self):
+        self.current: FileWriter | None = None
+
+    def __call__(self, w: FileWriter) -> FileWriter:
+        if self.current is not w and self.current is not None:
+            self.current.suspend()
+        self.current = w
+        return w
+
+
+def _scatter(writers, name: str, size: int, chunks: Chunks, switch, tick) -> None:
+    """Bytes ``[r * size, (r + 1) * size)`` of the stream go to ``writers[r]``."""
+    r, filled = 0, 0
+    switch(writers[0]).begin(name)
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            while filled == size:
+                writers[r].end()
+                r, filled = r + 1, 0
+                if r == len(writers):
+                    raise CheckpointError(f"{name}: the data is longer than the layout says")
+                switch(writers[r]).begin(name)
+            k = min(len(view), size - filled)
+            switch(writers[r]).write(view[:k])
+            filled += k
+            view = view[k:]
+            tick(k)
+    while True:
+        if filled != size:
+            short = size - filled + (len(writers) - r - 1) * size
+            raise CheckpointError(f"{name}: the data ended {short} bytes short of the layout")
+        writers[r].end()
+        r, filled = r + 1, 0
+        if r == len(writers):
+            return
+        switch(writers[r]).begin(name)
+
+
+def _broadcast(writers, name: str, chunks: Chunks, switch, tick) -> None:
+    for w in writers:
+        switch(w).begin(name)
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        for w in writers:
+            switch(w).write(view)
+            tick(len(view))
+    for w in writers:
+        w.end()
+
+
+def _write_index(folder: Path, layout: Layout, writers, meta: dict) -> None:
+    index = {
+        "format": INDEX_FORMAT,
+        "version": FORMAT_VERSION,
+        "world_size": layout.world_size,
+        "checksum": CHECKSUM_ALGO,
+        "layout_checksum": meta[KEY_LAYOUT_SUM],
+        "source": meta[KEY_SOURCE],
+        "source_metadata": json.loads(meta[KEY_SOURCE_META]),
+        "ranks": [
+            {"rank": r, "file": w.path.name, "nbytes": w.nbytes, "checksums": w.checksums}
+            for r, w in enumerate(writers)
+        ],
+        "layout": json.loads(meta[KEY_LAYOUT]),
+    }
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+
+
+def _info(final: Path, layout: Layout, sharded: bool, writers) -> CheckpointInfo:
+    files = tuple(
+        WrittenFile(
+            path=str(final / w.path.name) if sharded else str(final),
+            rank=r if sharded else None,
+            nbytes=w.nbytes,
+            checksums=dict(w.checksums),
+        )
+        for r, w in enumerate(writers)
+    )
+    return CheckpointInfo(
+        path=str(final),
+        sharded=sharded,
+        index=str(final / INDEX_NAME) if sharded else None,
+        world_size=layout.world_size,
+        align=layout.align.name,
+        checksum=CHECKSUM_ALGO,
+        files=files,
+        buffers=tuple(buffer_info(b) for b in layout.buffers),
+        kept=tuple(t.name for t in stored_kept(layout)),
+        nbytes=sum(f.nbytes for f in files),
+    )
+
+
+def buffer_info(b: BufferLayout) -> BufferInfo:
+    return BufferInfo(
+        name=b.name,
+        unit=b.unit,
+        dtype=b.dtype,
+        entries=len(b.entries),
+        numel=b.numel,
+        padded_numel=b.padded_numel,
+        world_size=b.world_size,
+        shard_numel=b.shard_numel,
+        nbytes=b.nbytes,
+    )

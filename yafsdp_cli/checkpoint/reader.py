@@ -1,0 +1,352 @@
+"""Opening and checking flat checkpoints: one file, or a folder of rank files.
+
+``open_flat`` checks structure from the headers alone (every header through the
+defensive safetensors parser, the layout against its checksum and invariants,
+each file's tensors against the layout, each rank file against the index);
+``FlatCheckpoint.verify`` then reads every byte once: checksums and zero padding.
+Nothing is trusted before both have passed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import CheckpointError
+from ..layout import BufferLayout, Layout
+from ..sources.safetensors_file import StHeader, read_header
+from .engine import file_slots
+from .format import (
+    FORMAT_VERSION,
+    INDEX_FORMAT,
+    INDEX_NAME,
+    KEY_CHECKSUMS,
+    KEY_FORMAT,
+    KEY_LAYOUT,
+    KEY_LAYOUT_SUM,
+    KEY_RANK,
+    KEY_SHARDS,
+    KEY_SOURCE,
+    KEY_SOURCE_META,
+    KEY_VERSION,
+    KIND_FLAT,
+    KIND_SHARD,
+    Checksum,
+    algo_of,
+    checksum_of,
+    int_field,
+    json_field,
+    layout_text,
+    parse_layout,
+    rank_file_name,
+)
+from .results import Progress
+
+CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A tensor in a flat file: bytes ``[offset, offset + nbytes)`` of ``path``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int  # from the start of the file
+    nbytes: int
+    checksum: str  # as the metadata records it
+
+
+@dataclass(frozen=True)
+class FlatCheckpoint:
+    root: Path  # the file, or the folder of a sharded set
+    layout: Layout
+    files: tuple[dict[str, StoredTensor], ...]  # per rank file (one for a single file)
+    file_paths: tuple[Path, ...]  # the rank files in rank order (or the one file)
+    index: Path | None = None
+    source_metadata: dict[str, str] = field(default_factory=dict)
+    source: str = ""  # the original source's file name, as recorded
+
+    @property
+    def sharded(self) -> bool:
+        return self.index is not None
+
+    @property
+    def shards(self) -> int:
+        return len(self.files)
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every file read (rank files, then the index)."""
+        return self.file_paths + ((self.index,) if self.index else ())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for f in self.files for t in f.values())
+
+    def read_range(self, b: BufferLayout, start: int, stop: int) -> Iterator[memoryview]:
+        """Bytes ``[start, stop)`` of logical buffer ``b`` (across rank files)."""
+        size = b.padded_numel // self.shards * dtypes.itemsize(b.dtype)
+        while start < stop:
+            r, local = divmod(start, size)
+            n = min(stop - start, size - local)
+            t = self.files[r][b.name]
+            yield from read_chunks(t.path, t.offset + local, n)
+            start += n
+
+    def kept_bytes(self, name: str) -> Iterator[memoryview]:
+        t = self.files[0][name]
+        return read_chunks(t.path, t.offset, t.nbytes)
+
+    def verify(self, progress: Progress | None = None) -> int:
+        """Read every stored tensor: checksum, and zero padding in buffers.
+        Returns how many tensors were checked; raises ``CheckpointError``."""
+        buffers = {b.name: b for b in self.layout.buffers}
+        total, done, count = self.nbytes, 0, 0
+        for r, tensors in enumerate(self.files):
+            for t in sorted(tensors.values(), key=lambda t: t.offset):
+                pads = _padding(buffers[t.name], r, self.shards) if t.name in buffers else []
+                digest = Checksum(algo_of(t.checksum))
+                pos = 0
+                for chunk in read_chunks(t.path, t.offset, t.nbytes):
+                    digest.update(chunk)
+                    _check_zero(t, buffers.get(t.name), pads, pos, chunk)
+                    pos += len(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress("checking", done, total)
+                if digest.text() != t.checksum:
+                    what = "buffer" if t.name in buffers else "tensor"
+                    raise CheckpointError(
+                        f"{t.path}: {what} {t.name!r} fails its checksum (stored {t.checksum}, "
+                        f"the data gives {digest.text()}); the file is corrupt or was modified: "
+                        "convert it again from the source"
+                    )
+                count += 1
+        return count
+
+
+def read_chunks(path: Path, offset: int, nbytes: int, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
+    if nbytes <= 0:
+        return
+    buf = bytearray(min(chunk, nbytes))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while nbytes:
+            n = f.readinto(view[: min(nbytes, len(buf))])
+            if not n:
+                raise CheckpointError(f"{path}: ended early (truncated file)")
+            nbytes -= n
+            yield view[:n]
+
+
+def _padding(b: BufferLayout, rank: int, shards: int) -> list[tuple[int, int]]:
+    """Byte ranges, relative to rank ``rank``'s slice of ``b``, that are padding."""
+    size = b.padded_numel // shards
+    lo, hi = rank * size, (rank + 1) * size
+    out, pos = [], lo
+    for e in b.entries:
+        if e.offset + e.numel <= lo or not e.numel:
+            continue
+        if e.offset >= hi:
+            break
+        if e.offset > pos:
+            out.append((pos, e.offset))
+        pos = max(pos, e.offset + e.numel)
+    if pos < hi:
+        out.append((pos, hi))
+    isz = dtypes.itemsize(b.dtype)
+    return [((a - lo) * isz, (z - lo) * isz) for a, z in out]
+
+
+def _check_zero(t: StoredTensor, b, pads, pos: int, chunk: memoryview) -> None:
+    end = pos + len(chunk)
+    for a, z in pads:
+        if z <= pos or a >= end:
+            continue
+        piece = chunk[max(a, pos) - pos : min(z, end) - pos].tobytes()
+        if piece != bytes(len(piece)):
+            first = max(a, pos) + next(i for i, v in enumerate(piece) if v)
+            raise CheckpointError(
+                f"{t.path}: padding of buffer {t.name!r} is not zero (byte {first} of the "
+                "stored tensor); padding must be zero: the file was modified"
+            )
+
+
+# ------------------------------------------------------------------ opening
+
+
+def open_flat(path: str | Path) -> FlatCheckpoint:
+    """A flat file, a sharded set's folder, or its ``yafsdp.index.json``; checked
+    from the headers (see the module docstring)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / INDEX_NAME).is_file():
+            raise CheckpointError(
+                f"{path}: a folder without {INDEX_NAME}; give a flat .safetensors file or "
+                "the folder of a sharded set written by `yafsdp convert --sharded`"
+            )
+        return _open_set(path / INDEX_NAME)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.name.endswith(".json"):
+        return _open_set(path)
+    return _open_file(path)
+
+
+def _open_file(path: Path) -> FlatCheckpoint:
+    header = read_header(path)
+    md = header.metadata
+    kind = md.get(KEY_FORMAT)
+    if kind == KIND_SHARD:
+        raise CheckpointError(
+            f"{path} is rank {md.get(KEY_RANK)} of a sharded set of {md.get(KEY_SHARDS)}; "
+            f"give its folder (or its {INDEX_NAME}) instead"
+        )
+    if kind != KIND_FLAT:
+        raise CheckpointError(
+            f"{path} is not a yafsdp flat checkpoint (its metadata has no {KEY_FORMAT!r} = "
+            f"{KIND_FLAT!r}); make one with `yafsdp convert`"
+        )
+    _check_version(md.get(KEY_VERSION), path)
+    layout = parse_layout(_need(md, KEY_LAYOUT, path), str(path), _need(md, KEY_LAYOUT_SUM, path))
+    sums = json_field(md, KEY_CHECKSUMS, str(path), dict)
+    tensors = _match(header, layout, 1, sums)
+    return FlatCheckpoint(
+        path, layout, (tensors,), (path,), None, _source_meta(md, path), md.get(KEY_SOURCE, "")
+    )
+
+
+def _need(md: dict[str, str], key: str, path: Path) -> str:
+    if key not in md:
+        raise CheckpointError(f"{path}: metadata has no {key!r}; the file is damaged")
+    return md[key]
+
+
+def _check_version(found, where) -> None:
+    if str(found) != str(FORMAT_VERSION):
+        raise CheckpointError(
+            f"{where}: flat checkpoint format version {found!r}; this yafsdp reads "
+            f"version {FORMAT_VERSION}"
+        )
+
+
+def _source_meta(md: dict[str, str], path: Path) -> dict[str, str]:
+    if KEY_SOURCE_META not in md:
+        return {}
+    value = json_field(md, KEY_SOURCE_META, str(path), dict)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _match(header: StHeader, layout: Layout, shards: int, sums: dict) -> dict[str, StoredTensor]:
+    """The file's tensors, which must be exactly the layout's for ``shards`` files."""
+    path = header.path
+    found = {e.name: e for e in header.entries}
+    out = {}
+    for slot in file_slots(layout, shards):
+        e = found.pop(slot.name, None)
+        what = "buffer" if slot.name in {b.name for b in layout.buffers} else "kept tensor"
+        if e is None:
+            raise CheckpointError(f"{path}: {what} {slot.name!r} of the layout is missing")
+        if (e.dtype, e.shape) != (slot.dtype, slot.shape):
+            raise CheckpointError(
+                f"{path}: {what} {slot.name!r} is {e.dtype}{list(e.shape)} in the header, "
+                f"but the layout says {slot.dtype}{list(slot.shape)}"
+            )
+        digest = sums.get(slot.name)
+        if not isinstance(digest, str):
+            raise CheckpointError(f"{path}: no checksum for {slot.name!r} in the metadata")
+        algo_of(digest)
+        out[slot.name] = StoredTensor(
+            e.name, e.dtype, e.shape, path, e.file_offset, e.nbytes, digest
+        )
+    if found:
+        raise CheckpointError(
+            f"{path}: holds {sorted(found)[:3]}, which the layout does not name; "
+            "the file was modified"
+        )
+    return out
+
+
+def _open_set(index_path: Path) -> FlatCheckpoint:
+    index = _read_index(index_path)
+    layout_dict = index.get("layout")
+    text = json.dumps(layout_dict, separators=(",", ":"))
+    layout = parse_layout(text, str(index_path), str(index.get("layout_checksum")))
+    ranks = index.get("ranks")
+    n = layout.world_size
+    if not isinstance(ranks, list) or len(ranks) != n or index.get("world_size") != n:
+        raise CheckpointError(
+            f"{index_path}: lists {len(ranks) if isinstance(ranks, list) else 'no'} ranks "
+            f"for world size {n}; the index is damaged"
+        )
+    files = tuple(_open_rank(index_path, layout, text, r, ranks[r]) for r in range(n))
+    paths = tuple(index_path.parent / rank_file_name(r, n) for r in range(n))
+    meta = index.get("source_metadata") or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{index_path}: 'source_metadata' is not an object")
+    source_meta = {str(k): str(v) for k, v in meta.items()}
+    source = str(index.get("source", ""))
+    return FlatCheckpoint(index_path.parent, layout, files, paths, index_path, source_meta, source)
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        raise CheckpointError(
+            f"{path} is not a yafsdp sharded-checkpoint index (no 'format': {INDEX_FORMAT!r})"
+        )
+    _check_version(index.get("version"), path)
+    return index
+
+
+def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item) -> dict:
+    folder = index_path.parent
+    name = item.get("file") if isinstance(item, dict) else None
+    if not isinstance(name, str) or item.get("rank") != r or Path(name).name != name:
+        raise CheckpointError(f"{index_path}: entry {r} of 'ranks' is damaged: {item!r}")
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder}: rank {r}'s file {name} is missing; the set is incomplete "
+            "(copy every rank file, or convert again)"
+        )
+    header = read_header(path)
+    md = header.metadata
+    where = f"rank {r}'s file {path}"
+    if md.get(KEY_FORMAT) != KIND_SHARD or md.get(KEY_RANK) != str(r):
+        raise CheckpointError(
+            f"{where} is not rank {r} of this set (it says {KEY_FORMAT}={md.get(KEY_FORMAT)!r}, "
+            f"rank {md.get(KEY_RANK)!r}); the set mixes files"
+        )
+    _check_version(md.get(KEY_VERSION), where)
+    if int_field(md, KEY_SHARDS, where) != layout.world_size or md.get(KEY_LAYOUT) != text:
+        raise CheckpointError(
+            f"{where} has a different layout than the index (mismatched rank layouts); "
+            "every rank file must come from the same conversion"
+        )
+    if md.get(KEY_LAYOUT_SUM) != checksum_of(text.encode(), algo_of(md.get(KEY_LAYOUT_SUM, ""))):
+        raise CheckpointError(f"{where}: the layout checksum does not match the layout")
+    sums = json_field(md, KEY_CHECKSUMS, where, dict)
+    if sums != item.get("checksums"):
+        raise CheckpointError(
+            f"{where} does not match the index's checksums for rank {r}; the file comes "
+            "from another conversion or was modified"
+        )
+    if name != rank_file_name(r, layout.world_size):
+        raise CheckpointError(f"{where}: expected the name {rank_file_name(r, layout.world_size)}")
+    return _match(header, layout, layout.world_size, sums)
+
+
+__all__ = ["FlatCheckpoint", "StoredTensor", "layout_text", "open_flat", "read_chunks"]

@@ -1,0 +1,149 @@
+"""``restore_checkpoint``: a flat checkpoint back to the ordinary state dict.
+
+Every entry's slice and every kept tensor is copied out by byte ranges, so each
+tensor is bit for bit what the source held. Tied names follow
+``safetensors.torch.save_model``: a tied tensor is stored once, under its first
+name, and the metadata maps each dropped name to the stored one, so
+``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
+``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
+tensor (it holds the model in memory once; ``.safetensors`` output streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import CheckpointError
+from .engine import stored_kept
+from .format import YAFSDP_KEYS, TensorSlot, data_order
+from .reader import FlatCheckpoint, open_flat
+from .results import Progress, RestoreResult, WrittenFile
+from .writer import FileWriter, check_output, staged_output
+
+PT_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One tensor of the state dict and where its bytes are."""
+
+    slot: TensorSlot
+    aliases: tuple[str, ...]
+    read: Callable[[], Iterable]  # -> chunks of its bytes
+
+
+def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
+    """Entries (flat order) and stored kept tensors, each with its byte source."""
+    items = []
+    for b in ckpt.layout.buffers:
+        isz = dtypes.itemsize(b.dtype)
+        for e in b.entries:
+            start, stop = e.offset * isz, (e.offset + e.numel) * isz
+
+            def read(b=b, start=start, stop=stop):
+                return ckpt.read_range(b, start, stop)
+
+            items.append(_Item(TensorSlot(e.name, e.dtype, e.shape), e.aliases, read))
+    for t in stored_kept(ckpt.layout):
+        slot = TensorSlot(t.name, t.dtype, t.shape)
+        items.append(_Item(slot, t.aliases, lambda n=t.name: ckpt.kept_bytes(n)))
+    return items
+
+
+def restore_checkpoint(
+    flat: str | Path, out: str | Path, *, force: bool = False, progress: Progress | None = None
+) -> RestoreResult:
+    """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
+    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``), after verifying
+    every checksum and the zero padding."""
+    out = Path(out)
+    fmt = _format_of(out)
+    ckpt = open_flat(flat)
+    check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
+    checked = ckpt.verify(progress)
+    items = state_dict_items(ckpt)
+    tied = {a: it.slot.name for it in items for a in it.aliases}
+    with staged_output(out, folder=False) as staged:
+        if fmt == "pt":
+            _write_pt(staged.temp, items, progress)
+        else:
+            _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress)
+        nbytes = staged.temp.stat().st_size
+    return RestoreResult(
+        input=str(ckpt.root),
+        input_world_size=ckpt.layout.world_size,
+        input_sharded=ckpt.sharded,
+        checked=checked,
+        output=WrittenFile(str(out), None, nbytes, {}),
+        format=fmt,
+        tensors=len(items),
+        names=len(items) + len(tied),
+        tied=tied,
+    )
+
+
+def _format_of(out: Path) -> str:
+    if out.name.endswith(".safetensors"):
+        return "safetensors"
+    if out.name.endswith(PT_SUFFIXES):
+        return "pt"
+    raise CheckpointError(
+        f"output {out}: give a .safetensors file (or .pt/.pth/.bin for torch.save)"
+    )
+
+
+def _metadata(ckpt: FlatCheckpoint, tied: dict[str, str]) -> dict[str, str]:
+    """The source's own metadata (minus stale tie records), ties, ``format: pt``."""
+    names = {it for b in ckpt.layout.buffers for e in b.entries for it in e.names}
+    names |= {n for t in ckpt.layout.kept for n in t.names}
+    meta = {
+        k: v for k, v in ckpt.source_metadata.items() if k not in names and k not in YAFSDP_KEYS
+    }
+    return {**meta, **tied, "format": "pt"}
+
+
+def _write_safetensors(path: Path, items, metadata, progress) -> None:
+    by_name = {it.slot.name: it for it in items}
+    slots = data_order([it.slot for it in items])
+    total, done = sum(s.nbytes for s in slots), 0
+    writer = FileWriter(path, slots, metadata, checksums=False)
+    try:
+        for slot in slots:
+            writer.begin(slot.name)
+            for chunk in by_name[slot.name].read():
+                writer.write(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress("writing", done, total)
+            writer.end()
+        writer.finish()
+    finally:
+        writer.close()
+
+
+def _write_pt(path: Path, items, progress) -> None:
+    import torch
+
+    state: dict = {}
+    total, done = sum(it.slot.nbytes for it in items), 0
+    for it in items:
+        data = bytearray(it.slot.nbytes)
+        pos = 0
+        for chunk in it.read():
+            data[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        dtype = dtypes.to_torch(it.slot.dtype)
+        if data:
+            tensor = torch.frombuffer(data, dtype=dtype).reshape(it.slot.shape)
+        else:
+            tensor = torch.empty(it.slot.shape, dtype=dtype)
+        for name in (it.slot.name, *it.aliases):
+            state[name] = tensor
+        done += len(data)
+        if progress is not None:
+            progress("writing", done, total)
+    with open(path, "xb") as f:
+        torch.save(state, f)

@@ -1,0 +1,241 @@
+"""Streaming safetensors writer and all-or-nothing outputs.
+
+``FileWriter`` writes one safetensors file front to back without holding any
+tensor: the header goes first (every offset is known from the slots), with
+fixed-width placeholder checksums; each tensor's bytes are then streamed in data
+order and hashed on the way; ``finish()`` rewrites the header in place with the
+real checksums (same length by construction).
+
+``staged_output`` makes a command's output appear whole or not at all: data goes
+to a hidden temporary file (or folder) beside the target, renamed over it at the
+end; on any error, Ctrl-C included, the temporary is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .. import dtypes
+from ..errors import CheckpointError
+from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, placeholder
+
+ZEROS = bytes(4 * 1024 * 1024)
+
+
+class FileWriter:
+    """One safetensors file; tensors must be written in ``slots`` order.
+
+    The file handle is opened on demand and may be ``suspend()``-ed between
+    tensors, so that a set of thousands of rank files needs one descriptor.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        slots: Sequence[TensorSlot],
+        metadata: dict[str, str],
+        *,
+        checksums: bool = True,
+    ):
+        names = [s.name for s in slots]
+        if len(set(names)) != len(names):
+            raise CheckpointError(f"{path}: two tensors with one name in {names}")
+        self.path = path
+        self.slots = list(slots)
+        self.metadata = dict(metadata)
+        self.with_checksums = checksums
+        self.checksums: dict[str, str] = {}
+        header = self._header({s.name: placeholder() for s in slots})
+        self.header_len = len(header)
+        self.data_start = 8 + len(header)
+        self.nbytes = self.data_start + sum(s.nbytes for s in slots)
+        with open(path, "xb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+        self._pos = self.data_start
+        self._f = None
+        self._next = 0  # index of the next slot to begin
+        self._current: list | None = None  # [slot, bytes left, Checksum or None]
+
+    def _header(self, sums: dict[str, str]) -> bytes:
+        meta = dict(self.metadata)
+        if self.with_checksums:
+            meta[KEY_CHECKSUMS] = json.dumps(sums, separators=(",", ":"))
+        header: dict = {"__metadata__": meta}
+        offset = 0
+        for s in self.slots:
+            code = dtypes.to_safetensors(s.dtype)
+            header[s.name] = {
+                "dtype": code,
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
+            offset += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+
+    def _file(self):
+        if self._f is None:
+            self._f = open(self.path, "r+b")  # noqa: SIM115 (kept open across writes)
+            self._f.seek(self._pos)
+        return self._f
+
+    def suspend(self) -> None:
+        """Close the handle until the next write."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def begin(self, name: str) -> None:
+        if self._current is not None or self._next >= len(self.slots):
+            raise CheckpointError(f"{self.path}: tensor {name!r} written out of order")
+        slot = self.slots[self._next]
+        if slot.name != name:
+            raise CheckpointError(f"{self.path}: expected tensor {slot.name!r}, got {name!r}")
+        self._next += 1
+        self._current = [slot, slot.nbytes, Checksum() if self.with_checksums else None]
+
+    def write(self, data) -> None:
+        cur = self._current
+        if cur is None or len(data) > cur[1]:
+            what = cur[0].name if cur else "no tensor"
+            raise CheckpointError(f"{self.path}: more bytes than {what} holds")
+        if cur[2] is not None:
+            cur[2].update(data)
+        self._file().write(data)
+        self._pos += len(data)
+        cur[1] -= len(data)
+
+    def write_zeros(self, n: int) -> None:
+        while n > 0:
+            k = min(n, len(ZEROS))
+            self.write(memoryview(ZEROS)[:k])
+            n -= k
+
+    def end(self) -> str:
+        """Close the current tensor; returns its checksum."""
+        slot, left, digest = self._current
+        if left:
+            raise CheckpointError(f"{self.path}: tensor {slot.name!r} is {left} bytes short")
+        self._current = None
+        if digest is None:
+            return ""
+        self.checksums[slot.name] = digest.text()
+        return self.checksums[slot.name]
+
+    def finish(self) -> None:
+        """Patch the real checksums into the header; the file is complete."""
+        if self._next != len(self.slots) or self._current is not None:
+            raise CheckpointError(f"{self.path}: not every tensor was written")
+        header = self._header(self.checksums)
+        if len(header) != self.header_len:  # cannot happen: digests are fixed width
+            raise CheckpointError(f"{self.path}: header changed size while patching")
+        f = self._file()
+        f.seek(8)
+        f.write(header)
+        f.close()
+        self._f = None
+
+    def close(self) -> None:
+        self.suspend()
+
+
+# ---------------------------------------------------------------- outputs
+
+_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+
+
+def check_output(out: Path, *, inputs: Sequence[Path], force: bool, folder: bool) -> None:
+    """Refuse an output that is an input (or holds one), or exists without ``--force``,
+    or is a folder that is not a flat checkpoint set (never replaced, even forced)."""
+    target = out.resolve()
+    for p in inputs:
+        src = p.resolve()
+        inside = folder and target in src.parents
+        if src == target or inside or (out.exists() and _samefile(out, p)):
+            raise CheckpointError(
+                f"output {out} is the input {p}"
+                + (" (or holds it)" if inside else "")
+                + "; the input is never modified: choose another -o"
+            )
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise CheckpointError(f"output {out} exists; pass --force to overwrite it")
+    if folder and not out.is_dir():
+        raise CheckpointError(f"output {out} exists and is a file; a sharded set is a folder")
+    if not folder and out.is_dir():
+        raise CheckpointError(f"output {out} is a folder; give a file name such as out.safetensors")
+    if folder:
+        strangers = [p.name for p in out.iterdir() if not _ours(p.name)]
+        if strangers or (any(out.iterdir()) and not (out / INDEX_NAME).is_file()):
+            raise CheckpointError(
+                f"output {out} is a folder that is not a yafsdp sharded checkpoint "
+                f"(it holds {', '.join(sorted(strangers)[:3]) or 'no index'}); it is never "
+                "replaced, even with --force: choose another -o"
+            )
+
+
+def _ours(name: str) -> bool:
+    return name == INDEX_NAME or bool(_RANK_FILE.fullmatch(name))
+
+
+def _samefile(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class Staged:
+    """A temporary output beside its target; ``keep = False`` discards it."""
+
+    def __init__(self, out: Path, folder: bool):
+        self.out = out
+        self.folder = folder
+        self.temp = out.parent / f".{out.name}.yafsdp-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.keep = True
+
+    def remove_temp(self) -> None:
+        if self.folder:
+            shutil.rmtree(self.temp, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.temp.unlink()
+
+    def commit(self) -> None:
+        if not self.folder or not self.out.exists():
+            os.replace(self.temp, self.out)  # atomic for a file; a new folder's name
+            return
+        old = self.out.parent / f".{self.out.name}.yafsdp-old-{secrets.token_hex(4)}"
+        os.rename(self.out, old)
+        try:
+            os.rename(self.temp, self.out)
+        except BaseException:
+            os.rename(old, self.out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, *, folder: bool) -> Iterator[Staged]:
+    """Yield a ``Staged`` whose ``temp`` the caller fills; renamed over ``out`` on
+    success, removed on any exception (Ctrl-C included) or when ``keep`` is False."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = Staged(out, folder)
+    if folder:
+        staged.temp.mkdir()
+    try:
+        yield staged
+        if staged.keep:
+            staged.commit()
+    finally:
+        if staged.temp.exists():
+            staged.remove_temp()
