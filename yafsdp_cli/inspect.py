@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import dtypes
-from .errors import FilterError
+from .errors import FilterError, SourceError
 from .filters import parse_filter
 from .layout import BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
 from .memory import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
@@ -188,6 +188,8 @@ def inspect_model(
     counted in it whatever their stored dtype. Raises ``FilterError``,
     ``LayoutError`` or ``YafsdpError`` for bad options.
     """
+    if not loaded.spec.tensors:
+        raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
     _check_architecture_filters(loaded, [*filters, *excludes])
     spec = retype_params(loaded.spec, param_dtype)
     cfg = MemoryConfig(

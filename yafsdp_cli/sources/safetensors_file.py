@@ -159,6 +159,11 @@ def read_index(path: Path) -> list[StHeader]:
     headers = []
     for name in files:
         shard = (path.parent / str(name)).resolve()
+        if shard.parent != path.parent.resolve():
+            raise SourceError(
+                f"{path}: weight_map names {name!r}, outside its folder; the shards of a set "
+                "sit beside its index"
+            )
         if not shard.is_file():
             raise SourceError(f"{path}: weight_map names {name!r}, which does not exist")
         headers.append(read_header(shard))
@@ -173,7 +178,7 @@ def _check_index(path: Path, weight_map: dict, headers: list[StHeader]) -> None:
             found = where.get(tensor)
             raise SourceError(
                 f"{path}: weight_map puts {tensor!r} in {file}, "
-                + (f"but it is in {found}" if found else "but no shard has it")
+                + (f"but it is in {found}" if found else "but no shard it names has it")
             )
     extra = sorted(set(where) - set(weight_map))
     if extra:

@@ -127,6 +127,8 @@ def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in dict.fromkeys(map(str, weight_map.values())):
         shard = path.parent / file
+        if shard.resolve().parent != path.parent.resolve():
+            raise SourceError(f"{path}: weight_map names {file!r}, outside its folder")
         if not shard.is_file():
             raise SourceError(f"{path}: weight_map names {file!r}, which does not exist")
         obj, _ = load_torch_file(shard, trust_pickle=False)
@@ -140,7 +142,7 @@ def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
             tensors[name] = t
     missing = [n for n in weight_map if n not in tensors]
     if missing:
-        raise SourceError(f"{path}: weight_map names {missing[:3]}, which no shard holds")
+        raise SourceError(f"{path}: weight_map names {missing[:3]}, which no shard it names holds")
     return tensors
 
 
