@@ -17,7 +17,7 @@ from ..layout import BufferLayout, Layout
 from ..plan import plan
 from ..sources import LoadedModel, load_source
 from .engine import stored_kept, write_flat, zeros
-from .format import KEY_FORMAT
+from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
 from .writer import check_output, staged_output
@@ -157,7 +157,7 @@ class _Reads:
                 f"needs {nbytes} for it"
             )
         seen = 0
-        for chunk in self.loaded.reader.iter_bytes(stored):
+        for chunk in self.loaded.reader.iter_bytes(stored, STREAM_CHUNK):
             seen += len(chunk)
             yield chunk
         if seen != nbytes:

@@ -73,6 +73,13 @@ YAFSDP_KEYS = (
 # "sha256:" so the algorithm can change without a new format version.
 CHECKSUM_ALGO = "crc32"
 
+# Bytes read, hashed and written per step. Small enough that the chunk stays in the
+# CPU's L2 cache between the read, the checksum and the write: copying the 1.24 GiB
+# benchmark file through Python (readinto + crc32 + write, page cache warm) took
+# 0.9-1.1 s with 128 KiB chunks, 2.1 s with 512 KiB and 1.8-4.2 s with 16 MiB (median
+# of 3 each, same machine); per-chunk Python overhead is ~10k calls per GiB.
+STREAM_CHUNK = 128 * 1024
+
 
 class Checksum:
     """A running checksum over a stream of byte chunks."""

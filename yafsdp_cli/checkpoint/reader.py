@@ -34,6 +34,7 @@ from .format import (
     KEY_VERSION,
     KIND_FLAT,
     KIND_SHARD,
+    STREAM_CHUNK,
     Checksum,
     algo_of,
     checksum_of,
@@ -44,8 +45,6 @@ from .format import (
     rank_file_name,
 )
 from .results import Progress
-
-CHUNK = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +129,9 @@ class FlatCheckpoint:
         return count
 
 
-def read_chunks(path: Path, offset: int, nbytes: int, chunk: int = CHUNK) -> Iterator[memoryview]:
+def read_chunks(
+    path: Path, offset: int, nbytes: int, chunk: int = STREAM_CHUNK
+) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
     if nbytes <= 0:
         return

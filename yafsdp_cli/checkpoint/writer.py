@@ -25,9 +25,9 @@ from pathlib import Path
 
 from .. import dtypes
 from ..errors import CheckpointError
-from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, placeholder
+from .format import INDEX_NAME, KEY_CHECKSUMS, STREAM_CHUNK, Checksum, TensorSlot, placeholder
 
-ZEROS = bytes(4 * 1024 * 1024)
+ZEROS = bytes(STREAM_CHUNK)
 
 
 class FileWriter:
