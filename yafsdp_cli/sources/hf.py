@@ -251,10 +251,10 @@ def _with_weights(path, weights, module, arch, factory, build, trust) -> LoadedM
     arch = _unstored_buffers(arch, renamed)
     try:
         spec = fit_weights(arch, renamed, label=label)
-    except SourceError as exc:
+    except SourceError:
         if not _converts_on_load(module):
             raise
-        return _converted(path, module, arch, stored.spec, factory, build, exc)
+        return _converted(path, module, arch, stored.spec, factory, build)
     notes = [f"architecture {type(module).__name__} from config.json; weights from {weights.name}"]
     if ignored:
         notes.append(f"ignored {len(ignored)} stored tensors the model does not use")
@@ -327,7 +327,7 @@ def _converts_on_load(module) -> bool:
         return False
 
 
-def _converted(path, module, arch, stored: ModelSpec, factory, build, exc) -> LoadedModel:
+def _converted(path, module, arch, stored: ModelSpec, factory, build) -> LoadedModel:
     dtypes_seen = Counter(t.dtype for t in stored.params if t.floating)
     stored_dtype = dtypes_seen.most_common(1)[0][0] if dtypes_seen else None
     if stored_dtype:
@@ -340,9 +340,9 @@ def _converted(path, module, arch, stored: ModelSpec, factory, build, exc) -> Lo
         )
     note = (
         f"the checkpoint's tensors differ from {type(module).__name__}'s in this transformers "
-        "version, which converts them on load (e.g. fused MoE experts); described as the "
-        f"model holds them, in the stored dtype ({stored_dtype}); bytes are read through "
-        "from_pretrained"
+        "version, which converts them on load (renamed or fused tensors, e.g. MoE experts); "
+        f"described as the model holds them, in the stored dtype ({stored_dtype}); bytes are "
+        "read through from_pretrained"
     )
     spec = replace(arch, notes=(*arch.notes, note), metadata=stored.metadata)
     reader = _PretrainedReader(build, path)
