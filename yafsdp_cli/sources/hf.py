@@ -29,11 +29,11 @@ import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from ..errors import SourceError
 from ..records import ModelSpec
 from . import LoadedModel, weights_in_folder
+from .hf_readers import PretrainedReader, RenamedReader
 
 EXTRA = "pip install 'yafsdp-cli[hf]'"
 
@@ -260,7 +260,7 @@ def _with_weights(path, weights, module, arch, factory, build, trust) -> LoadedM
         notes.append(f"ignored {len(ignored)} stored tensors the model does not use")
     if mapping:
         notes.append(f"stored names differ by the {_prefix(module)!r} prefix; mapped")
-    reader = _RenamedReader(stored.reader, mapping) if mapping else stored.reader
+    reader = RenamedReader(stored.reader, mapping) if mapping else stored.reader
     spec = replace(spec, notes=(*spec.notes, *notes), metadata=stored.spec.metadata)
     return LoadedModel(spec=spec, reader=reader, module=module, factory=factory, path=path)
 
@@ -345,57 +345,5 @@ def _converted(path, module, arch, stored: ModelSpec, factory, build) -> LoadedM
         "read through from_pretrained"
     )
     spec = replace(arch, notes=(*arch.notes, note), metadata=stored.metadata)
-    reader = _PretrainedReader(build, path)
+    reader = PretrainedReader(build, path)
     return LoadedModel(spec=spec, reader=reader, module=module, factory=factory, path=path)
-
-
-class _RenamedReader:
-    """A reader that answers to the architecture's names for differently stored ones."""
-
-    def __init__(self, reader, mapping: dict[str, str]):
-        self.reader, self.mapping = reader, mapping
-        self.back = {v: k for k, v in mapping.items()}
-
-    def names(self) -> list[str]:
-        return [self.back.get(n, n) for n in self.reader.names()]
-
-    def nbytes(self, name: str) -> int:
-        return self.reader.nbytes(self.mapping.get(name, name))
-
-    def iter_bytes(self, name: str, *args, **kwargs):
-        return self.reader.iter_bytes(self.mapping.get(name, name), *args, **kwargs)
-
-    def load(self, name: str):
-        return self.reader.load(self.mapping.get(name, name))
-
-
-class _PretrainedReader:
-    """Tensors as ``from_pretrained`` makes them, loaded (for real) on first use."""
-
-    def __init__(self, build, path: Path):
-        self.build, self.path = build, path
-        self._tensors: dict[str, Any] | None = None
-
-    def _all(self) -> dict[str, Any]:
-        if self._tensors is None:
-            from .torch_file import TensorDictReader, module_tensors
-
-            with _quiet_transformers():
-                model = self.build.pretrained(self.path)
-            self._tensors = module_tensors(model)
-            self._dict = TensorDictReader(self._tensors)
-        return self._tensors
-
-    def names(self) -> list[str]:
-        return list(self._all())
-
-    def nbytes(self, name: str) -> int:
-        self._all()
-        return self._dict.nbytes(name)
-
-    def iter_bytes(self, name: str, *args, **kwargs):
-        self._all()
-        return self._dict.iter_bytes(name, *args, **kwargs)
-
-    def load(self, name: str):
-        return self._all()[name]
