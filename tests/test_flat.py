@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 from helpers import assert_records_equal, build, convert_copy, run_steps
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from yafsdp_cli import ConversionError, convert_module, plan, spec_from_module
@@ -216,9 +218,6 @@ class _Bag(nn.Module):
         return total
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
 _param_specs = st.lists(
     st.tuples(
         st.lists(st.integers(0, 5), max_size=3).map(tuple),
@@ -231,7 +230,9 @@ _param_specs = st.lists(
 
 
 @settings(max_examples=40, deadline=None)
-@given(_param_specs, st.integers(1, 9), st.sampled_from(["yafsdp", "fsdp", "megatron", "none", "8"]))
+@given(
+    _param_specs, st.integers(1, 9), st.sampled_from(["yafsdp", "fsdp", "megatron", "none", "8"])
+)
 def test_random_modules_convert_train_and_restore_exactly(specs, world_size, align):
     torch.manual_seed(0)
     model = _Bag(specs)
