@@ -7,10 +7,11 @@ document is the result dataclass as plain data under ``"schema"``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePath
 
+from rich.table import Table
 from rich.text import Text
 
-from .. import dtypes
 from ..checkpoint.results import (
     CheckpointInfo,
     ConvertResult,
@@ -120,13 +121,16 @@ def verify_text(v: RoundTrip) -> Text:
     )
 
 
-def buffers_table(ck: CheckpointInfo):
-    headers = ("buffer", "dtype", "params", "numel", "padded", "per rank", "bytes")
+def buffers_table(ck: CheckpointInfo) -> Table:
+    """One row per buffer; long names fold rather than being cut."""
+    table = Table(title="flat buffers", title_justify="left", header_style="bold")
+    table.add_column("buffer (tensor name)", overflow="fold", ratio=1)
+    for h in ("params", "numel", "padded", "per rank", "bytes"):
+        table.add_column(h, justify="right", no_wrap=True)
     rows = [
         (
             b.name,
-            dtypes.short(b.dtype),
-            b.entries,
+            str(b.entries),
             human_count(b.numel),
             human_count(b.padded_numel),
             human_count(b.shard_numel),
@@ -134,12 +138,15 @@ def buffers_table(ck: CheckpointInfo):
         )
         for b in ck.buffers
     ]
-    return rich_table("flat buffers", headers, _fold(rows, len(headers)), right=range(2, 7))
+    for row in _fold(rows, 6):
+        table.add_row(*row)
+    return table
 
 
 def files_table(ck: CheckpointInfo):
-    rows = [(f.rank, f.path, human_bytes(f.nbytes)) for f in ck.files]
-    return rich_table("rank files", ("rank", "file", "bytes"), _fold(rows, 3), right=(0, 2))
+    rows = [(f.rank, PurePath(f.path).name, human_bytes(f.nbytes)) for f in ck.files]
+    title = f"rank files in {ck.path}"
+    return rich_table(title, ("rank", "file", "bytes"), _fold(rows, 3), right=(0, 2))
 
 
 def _fold(rows: Sequence[tuple], width: int) -> list[tuple]:
