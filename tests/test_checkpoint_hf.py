@@ -1,0 +1,57 @@
+"""Hugging Face folders through convert -> reshard -> restore, back into from_pretrained."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from checkpoint_helpers import assert_same_tensors
+from safetensors.torch import load_model
+
+from yafsdp_cli.checkpoint import convert_checkpoint, reshard_checkpoint, restore_checkpoint
+
+tf = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf
+VOCAB = 96
+
+
+def tiny(name: str):
+    if name == "llama":
+        config = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        return tf.LlamaForCausalLM(config).to(torch.bfloat16)
+    if name == "gpt2":
+        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
+        return tf.GPT2LMHeadModel(config)
+    config = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+    return tf.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_hf_folder_round_trip_loads_with_from_pretrained(tmp_path, name):
+    torch.manual_seed(0)
+    model = tiny(name)
+    model.save_pretrained(tmp_path / "src")
+    flat = tmp_path / "flat"
+    result = convert_checkpoint(
+        tmp_path / "src", flat, world_size=2, sharded=True, filters=["linear", "embedding"]
+    )
+    assert result.source_kind == "hf" and result.checkpoint.kept  # norms kept as they are
+    resharded = tmp_path / "flat3.safetensors"
+    reshard_checkpoint(flat, resharded, world_size=3)
+    back = tmp_path / "back"
+    back.mkdir()
+    restore_checkpoint(resharded, back / "model.safetensors")
+    shutil.copy(tmp_path / "src" / "config.json", back)
+    reloaded = type(model).from_pretrained(back)
+    assert_same_tensors(model.state_dict(), reloaded.state_dict())
+    fresh = tiny(name)  # and plain safetensors.torch.load_model, ties included
+    assert load_model(fresh, str(back / "model.safetensors")) == (set(), [])
+    assert_same_tensors(model.state_dict(), fresh.state_dict())
