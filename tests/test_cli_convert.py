@@ -168,3 +168,20 @@ def test_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path, monkeypatch):
     assert result.exit_code == 130, result.output
     assert "interrupted" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_waits_a_second_and_is_quiet_off_a_terminal():
+    from yafsdp_cli.cli import convert_cmd
+
+    assert not convert_cmd.ProgressBar(True).enabled  # CliRunner's stderr is no terminal
+    assert not convert_cmd.ProgressBar(False).enabled
+    bar = convert_cmd.ProgressBar(True)
+    bar.enabled = True
+    bar("writing", 1, 10)
+    assert bar.bar is None  # under a second: nothing shown
+    bar.start -= 2
+    with bar:
+        bar("writing", 5, 10)
+        bar("checking", 10, 10)
+        assert set(bar.tasks) == {"writing", "checking"}
+        assert bar.bar.tasks[bar.tasks["checking"]].completed == 10

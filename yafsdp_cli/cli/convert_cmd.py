@@ -63,19 +63,30 @@ class ProgressBar:
         self.start = time.monotonic()
         self.bar = None
         self.tasks: dict[str, int] = {}
+        self.last = 0.0
 
     def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled or (self.bar is None and time.monotonic() - self.start < self.DELAY_S):
+        if not self.enabled:
             return
+        now = time.monotonic()  # called per 128 KiB chunk: update ~20 times a second
+        if now - self.start < self.DELAY_S or (now - self.last < 0.05 and done < total):
+            return
+        self.last = now
         if self.bar is None:
             from rich.progress import DownloadColumn, Progress, TimeRemainingColumn
 
             columns = (*Progress.get_default_columns()[:2], DownloadColumn(binary_units=True))
-            self.bar = Progress(*columns, TimeRemainingColumn(), console=stderr, transient=True)
+            self.bar = Progress(
+                *columns,
+                TimeRemainingColumn(),
+                console=stderr,
+                transient=True,
+                auto_refresh=False,  # no refresh thread taking the GIL; we refresh below
+            )
             self.bar.start()
         if phase not in self.tasks:
             self.tasks[phase] = self.bar.add_task(phase, total=total)
-        self.bar.update(self.tasks[phase], completed=done, total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total, refresh=True)
 
     def __enter__(self) -> ProgressBar:
         return self
