@@ -204,6 +204,8 @@ def test_a_folder_that_is_not_a_set_is_never_replaced(tmp_path):
 def test_bad_output_names_are_refused(tmp_path, flat):
     with pytest.raises(CheckpointError, match="a flat checkpoint is a .safetensors file"):
         convert_checkpoint(sample("mlp.safetensors"), tmp_path / "out.bin")
+    with pytest.raises(CheckpointError, match="with --sharded the output is a folder"):
+        reshard_checkpoint(flat, tmp_path / "set.safetensors", world_size=2, sharded=True)
     with pytest.raises(CheckpointError, match=r"give a .safetensors file \(or .pt"):
         restore_checkpoint(flat, tmp_path / "out.npz")
 

@@ -20,7 +20,7 @@ from .engine import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
-from .writer import check_output, staged_output
+from .writer import check_flat_name, check_output, staged_output
 
 
 def convert_checkpoint(
@@ -81,11 +81,7 @@ def write_converted(
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``."""
-    if not sharded and not out.name.endswith(".safetensors"):
-        raise CheckpointError(
-            f"output {out}: a flat checkpoint is a .safetensors file (or, with --sharded, "
-            "a folder of rank files)"
-        )
+    check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
     reads = _Reads(loaded)

@@ -18,7 +18,7 @@ from ..layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from .engine import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult
-from .writer import check_output, staged_output
+from .writer import check_flat_name, check_output, staged_output
 
 
 def relayout(layout: Layout, world_size: int) -> Layout:
@@ -67,11 +67,7 @@ def reshard_checkpoint(
     """Verify ``flat`` (file, set folder or index), then write it for ``world_size``
     ranks: one file, or with ``sharded`` a folder of rank files and an index."""
     out = Path(out)
-    if not sharded and not out.name.endswith(".safetensors"):
-        raise CheckpointError(
-            f"output {out}: a flat checkpoint is a .safetensors file (or, with --sharded, "
-            "a folder of rank files)"
-        )
+    check_flat_name(out, sharded=sharded)
     ckpt = open_flat(flat)
     new = relayout(ckpt.layout, world_size)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=sharded)

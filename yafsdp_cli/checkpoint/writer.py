@@ -152,6 +152,20 @@ class FileWriter:
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
 
 
+def check_flat_name(out: Path, *, sharded: bool) -> None:
+    """A flat checkpoint is ``NAME.safetensors``, or with ``--sharded`` a folder."""
+    if sharded and out.name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"output {out}: with --sharded the output is a folder of rank files; "
+            "give a folder name without .safetensors"
+        )
+    if not sharded and not out.name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"output {out}: a flat checkpoint is a .safetensors file (or, with --sharded, "
+            "a folder of rank files)"
+        )
+
+
 def check_output(out: Path, *, inputs: Sequence[Path], force: bool, folder: bool) -> None:
     """Refuse an output that is an input (or holds one), or exists without ``--force``,
     or is a folder that is not a flat checkpoint set (never replaced, even forced)."""
