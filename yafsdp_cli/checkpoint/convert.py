@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import dtypes
-from ..errors import CheckpointError, SourceError
+from ..errors import CheckpointError, SourceError, YafsdpError
 from ..layout import BufferLayout, Layout
 from ..plan import plan
 from ..sources import LoadedModel, load_source
@@ -57,8 +57,21 @@ def convert_checkpoint(
         world_size=world_size,
         align=align,
     )
+    selection = {
+        "filters": tuple(filters or ()),
+        "excludes": tuple(excludes or ()),
+        "units": tuple(units) if units else None,
+        "align": align,
+    }
     return write_converted(
-        loaded, layout, Path(out), sharded=sharded, force=force, verify=verify, progress=progress
+        loaded,
+        layout,
+        Path(out),
+        sharded=sharded,
+        force=force,
+        verify=verify,
+        progress=progress,
+        selection=selection,
     )
 
 
@@ -79,8 +92,13 @@ def write_converted(
     force: bool = False,
     verify: bool = False,
     progress: Progress | None = None,
+    selection: dict | None = None,
 ) -> ConvertResult:
-    """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``."""
+    """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``.
+
+    ``selection`` (filters, excludes, units, align as given to ``plan``) is what
+    ``verify``'s forward/backward check converts with; without it that check is
+    skipped."""
     check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
@@ -99,7 +117,7 @@ def write_converted(
             final=out,
         )
         bytes_read = reads.total
-        check = round_trip(loaded, layout, staged.temp, progress) if verify else None
+        check = round_trip(loaded, layout, staged.temp, progress, selection) if verify else None
         staged.keep = check is None or check.ok
     return ConvertResult(
         source=loaded.spec.source,
@@ -172,10 +190,15 @@ class _Reads:
 
 
 def round_trip(
-    loaded: LoadedModel, layout: Layout, written: Path, progress: Progress | None
+    loaded: LoadedModel,
+    layout: Layout,
+    written: Path,
+    progress: Progress | None,
+    selection: dict | None = None,
 ) -> RoundTrip:
     """Open what was written like ``restore`` does (structure, checksums, padding),
-    then compare every tensor's bytes with the source's."""
+    compare every tensor's bytes with the source's, then (with an architecture)
+    run ``yafsdp verify``'s forward/backward check on the same selection."""
     ckpt = open_flat(written)
     ckpt.verify(progress)
     mismatches = [] if ckpt.layout == layout else ["layout"]
@@ -195,12 +218,14 @@ def round_trip(
             mismatches.append(t.name)
         count, compared = count + 1, compared + t.nbytes
         _tick(progress, compared, total)
+    model_ok, model_text = model_check(loaded, selection)
     return RoundTrip(
-        ok=not mismatches,
+        ok=not mismatches and model_ok is not False,
         tensors=count,
         nbytes=compared,
         mismatches=tuple(mismatches),
-        model_check=model_check(loaded, layout),
+        model_check=model_text,
+        model_ok=model_ok,
     )
 
 
@@ -232,6 +257,27 @@ def _next(it):
     return None if chunk is None else memoryview(chunk).cast("B")
 
 
-def model_check(loaded: LoadedModel, layout: Layout) -> str:
-    """The forward/backward check of ``yafsdp verify`` when it can run here."""
-    return "not run: the forward/backward check is not available in this build"
+def model_check(loaded: LoadedModel, selection: dict | None) -> tuple[bool | None, str]:
+    """``yafsdp verify``'s single-process check of the original against the model
+    converted with the same selection and alignment: (passed or None, what happened).
+
+    The byte round trip shows the file holds the source's tensors; this shows the
+    converted model computes the same outputs, gradients and optimizer step."""
+    if selection is None:
+        return None, "not run: no selection to convert with"
+    if not loaded.spec.has_architecture:
+        return None, (
+            "not run: no architecture (give --model package.module:factory or a Hugging "
+            "Face folder)"
+        )
+    try:
+        from ..verify import VerifyOptions, verify_model
+    except ImportError:
+        return None, "not run: the forward/backward check is not available in this build"
+    try:
+        report = verify_model(loaded, VerifyOptions(**selection))
+    except YafsdpError as exc:
+        return None, f"not run: {exc}"
+    if report.ok:
+        return True, f"passed ({report.compared} comparisons over {report.steps} steps)"
+    return False, f"FAILED: {report.failures} of {report.compared} comparisons out of tolerance"

@@ -59,6 +59,7 @@ class RoundTrip:
     nbytes: int
     mismatches: tuple[str, ...]  # names (or "layout") that differ
     model_check: str  # the forward/backward check: its outcome, or why it did not run
+    model_ok: bool | None = None  # None: that check did not run
 
 
 @dataclass(frozen=True, slots=True)

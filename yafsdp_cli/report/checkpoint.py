@@ -51,7 +51,7 @@ def convert_view(result: ConvertResult) -> list:
     if result.written:
         head = f"wrote {_where(ck)}"
     else:
-        head = f"[bold red]nothing written:[/] the round trip found mismatches; {ck.path} absent"
+        head = f"[bold red]nothing written:[/] --verify failed; {ck.path} was left as it was"
     lines = [
         Text.from_markup(head),
         Text(
@@ -114,11 +114,13 @@ def verify_text(v: RoundTrip) -> Text:
             f"model check: {v.model_check}",
             style="green",
         )
-    return Text(
-        f"verify FAILED: {len(v.mismatches)} tensors differ from the source: "
-        + ", ".join(v.mismatches[:5]),
-        style="bold red",
-    )
+    if v.mismatches:
+        text = f"verify FAILED: {len(v.mismatches)} tensors differ from the source: " + ", ".join(
+            v.mismatches[:5]
+        )
+    else:
+        text = f"verify FAILED: tensors read back bit for bit, but model check {v.model_check}"
+    return Text(text, style="bold red")
 
 
 def buffers_table(ck: CheckpointInfo) -> Table:
