@@ -272,10 +272,12 @@ def model_check(loaded: LoadedModel, selection: dict | None) -> tuple[bool | Non
         )
     try:
         from ..verify import VerifyOptions, verify_model
-    except ImportError:
+
+        opts = VerifyOptions(**selection)
+    except (ImportError, TypeError):
         return None, "not run: the forward/backward check is not available in this build"
     try:
-        report = verify_model(loaded, VerifyOptions(**selection))
+        report = verify_model(loaded, opts)
     except YafsdpError as exc:
         return None, f"not run: {exc}"
     if report.ok:
