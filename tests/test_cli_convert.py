@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 
+import jsonschema
 import pytest
 from checkpoint_helpers import assert_same_tensors, load_st, read_header, sample, write_raw
 from typer.testing import CliRunner
@@ -13,6 +15,16 @@ from yafsdp_cli.checkpoint import convert as convert_mod
 from yafsdp_cli.cli import app
 
 runner = CliRunner()
+SCHEMA = json.loads(
+    resources.files("yafsdp_cli").joinpath("schemas/checkpoint.schema.json").read_text()
+)
+
+
+def validated(text: str) -> dict:
+    """The one JSON document in ``text``, checked against the published schema."""
+    doc = json.loads(text)
+    jsonschema.validate(doc, SCHEMA)
+    return doc
 
 
 def run(*args: str):
@@ -41,7 +53,7 @@ def test_json_documents(tmp_path):
     src = sample("gpt.safetensors")
     result = run("convert", src, "-o", flat, "-n", "2", "--align", "fsdp", "--verify", "--json")
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)  # exactly one document, nothing else on stdout
+    doc = validated(result.stdout)  # exactly one document, nothing else on stdout
     assert doc["schema"] == "yafsdp.convert/1" and doc["written"] is True
     ck = doc["checkpoint"]
     assert ck["path"] == str(flat) and ck["world_size"] == 2 and ck["align"] == "fsdp"
@@ -51,15 +63,18 @@ def test_json_documents(tmp_path):
     ]
     assert doc["verify"]["ok"] is True and doc["verify"]["tensors"] == 28
     result = run("reshard", flat, "-n", "4", "--sharded", "-o", folder, "--json")
-    doc = json.loads(result.stdout)
+    doc = validated(result.stdout)
     assert doc["schema"] == "yafsdp.reshard/1" and doc["input_world_size"] == 2
     assert [f["rank"] for f in doc["checkpoint"]["files"]] == [0, 1, 2, 3]
     assert doc["checkpoint"]["index"] == str(folder / INDEX_NAME)
     result = run("restore", folder, "-o", back, "--json")
-    doc = json.loads(result.stdout)
+    doc = validated(result.stdout)
     assert doc["schema"] == "yafsdp.restore/1" and doc["format"] == "pt"
     assert doc["tied"] == {"transformer.wte.weight": "lm_head.weight"}
     assert doc["names"] == doc["tensors"] + 1 == 29
+    del doc["tied"]
+    with pytest.raises(jsonschema.ValidationError, match="'tied' is a required property"):
+        jsonschema.validate(doc, SCHEMA)
 
 
 def test_convert_with_model_filters_and_units(tmp_path):
