@@ -265,3 +265,18 @@ def test_failed_verify_writes_nothing(tmp_path, monkeypatch):
 
 def test_every_error_is_a_yafsdp_error():
     assert issubclass(CheckpointError, YafsdpError)
+
+
+def test_kept_copies_that_differ_between_ranks_are_refused(tmp_path, sharded):
+    rank1 = sharded / "rank-00001-of-00004.safetensors"
+    header, data = read_header(rank1)
+    data = bytearray(data)
+    a, _ = header["features.1.num_batches_tracked"]["data_offsets"]
+    data[a] ^= 0x01
+    header = reseal(header, bytes(data))
+    write_raw(rank1, header, bytes(data))
+    index = json.loads((sharded / INDEX_NAME).read_text())  # forged consistently
+    index["ranks"][1]["checksums"] = json.loads(header["__metadata__"]["yafsdp.checksums"])
+    (sharded / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="kept tensor 'features.1.num_batches_tracked' diff"):
+        restore_checkpoint(sharded, tmp_path / "out.safetensors")

@@ -289,12 +289,28 @@ def _open_set(index_path: Path) -> FlatCheckpoint:
         )
     files = tuple(_open_rank(index_path, layout, text, r, ranks[r]) for r in range(n))
     paths = tuple(index_path.parent / rank_file_name(r, n) for r in range(n))
+    _check_replicas(index_path, layout, files)
     meta = index.get("source_metadata") or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{index_path}: 'source_metadata' is not an object")
     source_meta = {str(k): str(v) for k, v in meta.items()}
     source = str(index.get("source", ""))
     return FlatCheckpoint(index_path.parent, layout, files, paths, index_path, source_meta, source)
+
+
+def _check_replicas(index_path: Path, layout: Layout, files) -> None:
+    """Every rank file holds the same copy of each kept tensor."""
+    buffers = {b.name for b in layout.buffers}
+    for name, t in files[0].items():
+        if name in buffers:
+            continue
+        for r, other in enumerate(files[1:], start=1):
+            if other[name].checksum != t.checksum:
+                raise CheckpointError(
+                    f"{index_path.parent}: kept tensor {name!r} differs between rank 0 "
+                    f"({t.checksum}) and rank {r} ({other[name].checksum}); every rank "
+                    "file must hold the same copy"
+                )
 
 
 def _read_index(path: Path) -> dict:
