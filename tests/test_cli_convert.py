@@ -200,3 +200,25 @@ def test_progress_bar_waits_a_second_and_is_quiet_off_a_terminal():
         bar("checking", 10, 10)
         assert set(bar.tasks) == {"writing", "checking"}
         assert bar.bar.tasks[bar.tasks["checking"]].completed == 10
+
+
+def test_cli_convert_of_safetensors_does_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "f.safetensors"
+    code = (
+        "import sys\n"
+        "from yafsdp_cli.cli import app\n"
+        "try:\n"
+        f"    app(['convert', {str(sample('gpt.safetensors'))!r}, '-o', {str(out)!r}, '--json'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "False"
+    assert json.loads(proc.stdout)["written"] is True and out.is_file()
