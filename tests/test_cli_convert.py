@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib import resources
 
 import jsonschema
 import pytest
 from checkpoint_helpers import assert_same_tensors, load_st, read_header, sample, write_raw
+from conftest import ROOT
 from typer.testing import CliRunner
 
 from yafsdp_cli.checkpoint import INDEX_NAME
@@ -203,11 +206,6 @@ def test_progress_bar_waits_a_second_and_is_quiet_off_a_terminal():
 
 
 def test_cli_convert_of_safetensors_does_not_import_torch(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     out = tmp_path / "f.safetensors"
     code = (
         "import sys\n"
