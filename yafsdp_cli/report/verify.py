@@ -1,0 +1,188 @@
+"""Rendering a ``VerifyReport``: the verdict, the worst tensors, each rank's memory.
+
+Every view (Rich, markdown, JSON) is built from the same sections, so they say the
+same thing; nothing is computed here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..verify import TensorDiff, VerifyReport
+from .common import human_bytes, json_document, markdown_table, plain
+
+SCHEMA = "yafsdp.verify/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One table: a title, headers, rows, right-aligned columns and a caption."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    right: tuple[int, ...] = ()
+    caption: str = ""
+
+
+def to_json(report: VerifyReport) -> str:
+    """One ``yafsdp.verify/1`` document: the report's fields as they are, except that
+    an infinite error (the original is 0 where the converted is not, or the tensors
+    cannot be compared: see ``problem``) is ``null``."""
+    return json_document(SCHEMA, {"report": finite(plain(report))})
+
+
+def finite(obj):
+    """JSON has no infinity: non-finite floats become None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def verdict(report: VerifyReport) -> str:
+    where = f"{report.world_size} rank{'s' if report.world_size > 1 else ''}"
+    if report.ok:
+        return (
+            f"OK: converted model matches the original ({report.compared} comparisons, "
+            f"{report.steps} steps x {report.micro_batches} micro-batches, {where})"
+        )
+    parts = []
+    if report.failures:
+        first = report.first_failure
+        parts.append(
+            f"{report.failures} of {report.compared} comparisons out of tolerance; first: "
+            f"{first.kind} {first.name} at step {first.step}"
+            if first
+            else f"{report.failures} of {report.compared} comparisons out of tolerance"
+        )
+    if not report.memory_ok:
+        parts.append("measured per-rank memory differs from the model by more than 1%")
+    return "MISMATCH: " + "; ".join(parts)
+
+
+def sections(report: VerifyReport) -> list[Section]:
+    out = [summary_section(report), worst_section(report)]
+    if report.memory:
+        out.append(memory_section(report))
+    return out
+
+
+def summary_section(report: VerifyReport) -> Section:
+    tols = ", ".join(f"{t.dtype} {_num(t.atol)}/{_num(t.rtol)}" for t in report.tolerances)
+    run = f"{report.world_size} process{'es' if report.world_size > 1 else ''}"
+    if report.backend:
+        run += f" ({report.backend})"
+    rows = (
+        ("source", report.source),
+        ("run", f"{run} on {report.device}"),
+        ("steps", f"{report.steps} x {report.micro_batches} micro-batches, {report.optimizer}"),
+        ("converted", f"{report.converted} parameters in {report.flat_buffers} flat buffers"),
+        ("kept", f"{report.kept} parameters left as they were"),
+        ("tolerance (atol/rtol)", tols),
+        ("compared", f"{report.compared} tensors, {report.failures} out of tolerance"),
+    )
+    return Section("yafsdp verify", ("", ""), rows)
+
+
+def worst_section(report: VerifyReport) -> Section:
+    rows = tuple(_diff_row(d) for d in report.worst)
+    caption = "worst tensors first; max over every step"
+    return Section(
+        "Worst tensors",
+        ("", "kind", "name", "step", "dtype", "max abs", "max rel"),
+        rows,
+        right=(3, 5, 6),
+        caption=caption,
+    )
+
+
+def _diff_row(d: TensorDiff) -> tuple[str, ...]:
+    mark = "ok" if d.ok else "FAIL"
+    rel = _num(d.max_rel)
+    if d.problem:
+        rel = f"{rel} ({d.problem})"
+    return (mark, d.kind, d.name, str(d.step), d.dtype or "-", _num(d.max_abs), rel)
+
+
+def memory_section(report: VerifyReport) -> Section:
+    rows = []
+    for m in report.memory:
+        rows.append(
+            (
+                str(m.rank),
+                human_bytes(m.measured.params),
+                human_bytes(m.measured.grads),
+                human_bytes(m.measured.optimizer),
+                human_bytes(m.measured.buffers),
+                human_bytes(m.measured.total),
+                human_bytes(m.modeled.total),
+                f"{m.diff_percent:+.3f}%",
+                "ok" if m.ok else "FAIL",
+            )
+        )
+    rounding = report.memory[0].round_bytes
+    caption = (
+        "bytes kept between steps (after the last optimizer step), measured as the "
+        "distinct storages the rank holds, beside inspect's memory model "
+        f"(master weights off); allocations rounded to {rounding} B on both sides"
+    )
+    headers = ("rank", "params", "grads", "optim", "buffers", "held", "model", "diff", "")
+    return Section(
+        "Per-rank persistent memory", headers, tuple(rows), (1, 2, 3, 4, 5, 6, 7), caption
+    )
+
+
+def _num(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}"
+
+
+def to_markdown(report: VerifyReport) -> str:
+    parts = [f"**{verdict(report)}**", ""]
+    for s in sections(report):
+        parts.append(f"### {s.title}\n")
+        parts.append(markdown_table(s.headers, s.rows))
+        if s.caption:
+            parts.append(f"\n_{s.caption}_")
+        parts.append("")
+    parts += [f"- {n}" for n in report.notes]
+    return "\n".join(parts) + "\n"
+
+
+def to_rich(report: VerifyReport) -> list:
+    return rich_sections(sections(report), report.notes, verdict(report), report.ok)
+
+
+def rich_sections(items: Sequence[Section], notes: Sequence[str], last: str, ok: bool) -> list:
+    """Rich tables for ``items``, then the notes, then ``last`` (green or red)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = []
+    for s in items:
+        table = Table(
+            title=Text(s.title, style="bold"),
+            title_justify="left",
+            header_style="bold",
+            caption=Text(s.caption) if s.caption else None,
+            caption_justify="left",
+            show_header=any(s.headers),
+        )
+        for i, h in enumerate(s.headers):
+            table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
+        for row in s.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        out.append(table)
+    for n in notes:
+        out.append(Text(f"note: {n}"))
+    out.append(Text(last, style="bold green" if ok else "bold red"))
+    return out

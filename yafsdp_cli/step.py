@@ -1,0 +1,185 @@
+"""The pieces of one training step that ``verify`` and ``profile`` share.
+
+- ``make_batch``: seeded inputs from the model kind. A Hugging Face model
+  (``main_input_name`` and a config) gets ``input_ids`` from its vocabulary, plus
+  ``decoder_input_ids`` when it is an encoder-decoder (T5, BART), or
+  ``pixel_values`` for vision models, and ``use_cache=False`` where its forward
+  takes it. Anything else goes through ``inputs.make_input`` (token ids for an
+  ``Embedding`` first layer, images for convolutions, features for ``Linear``).
+- ``output_tensor``: the tensor a loss is taken on: ``logits``, else
+  ``last_hidden_state`` of a ``ModelOutput``, else the first tensor found.
+- ``step_loss``: ``(output * R).sum()`` in float32 for a seeded random ``R``, so every
+  output element (and so every parameter) gets a gradient.
+- ``make_optimizer``: AdamW/Adam/SGD-with-momentum with the chosen implementation
+  (``for-loop`` is what verify uses on both sides: ``foreach=False``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .errors import YafsdpError
+from .inputs import make_input
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+OptimizerImpl = Literal["for-loop", "foreach", "fused"]
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+LR = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Positional and keyword arguments of one forward call."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        items = [*self.args, *self.kwargs.values()]
+        return [t for t in items if isinstance(t, torch.Tensor)]
+
+    def map(self, fn) -> Batch:
+        """The same batch with ``fn`` applied to every tensor (e.g. to fake it)."""
+
+        def one(v):
+            return fn(v) if isinstance(v, torch.Tensor) else v
+
+        return Batch(tuple(one(a) for a in self.args), {k: one(v) for k, v in self.kwargs.items()})
+
+
+def make_batch(
+    module: nn.Module,
+    *,
+    batch: int = 2,
+    seq_len: int = 16,
+    seed: int = 0,
+    input_shape: Sequence[int] | None = None,
+) -> Batch:
+    """Seeded inputs for ``module`` (see the module docstring)."""
+    main = getattr(module, "main_input_name", None)
+    config = getattr(module, "config", None)
+    if isinstance(main, str) and hasattr(config, "to_dict"):
+        return _hf_batch(module, main, config, batch, seq_len, seed, input_shape)
+    return Batch(
+        (make_input(module, batch=batch, seq_len=seq_len, seed=seed, input_shape=input_shape),)
+    )
+
+
+def _hf_batch(module, main, config, batch, seq_len, seed, input_shape) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    device = _device_of(module)
+    kwargs: dict[str, Any] = {}
+    if main == "input_ids":
+        vocab = getattr(config, "vocab_size", None)
+        if not vocab:
+            raise YafsdpError(f"{type(module).__name__}: its config has no vocab_size")
+        shape = tuple(input_shape) if input_shape else (batch, seq_len)
+        kwargs["input_ids"] = torch.randint(0, vocab, shape, generator=g).to(device)
+        if getattr(config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = torch.randint(0, vocab, shape, generator=g).to(device)
+    elif main == "pixel_values" and not input_shape and hasattr(config, "image_size"):
+        size = config.image_size
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        shape = (batch, getattr(config, "num_channels", 3), *size)
+        kwargs[main] = torch.randn(shape, generator=g).to(device=device, dtype=_dtype_of(module))
+    elif input_shape:
+        kwargs[main] = torch.randn(tuple(input_shape), generator=g).to(
+            device=device, dtype=_dtype_of(module)
+        )
+    else:
+        raise YafsdpError(
+            f"{type(module).__name__} takes {main!r}, which yafsdp cannot make up; "
+            "give --input-shape"
+        )
+    if _accepts(module, "use_cache"):
+        kwargs["use_cache"] = False  # no key/value cache: it is not part of training
+    return Batch((), kwargs)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The tensor of a model's output that the loss is taken on."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):  # ModelOutput is an OrderedDict
+        for key in ("logits", "last_hidden_state"):
+            if isinstance(out.get(key), torch.Tensor):
+                return out[key]
+        values = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        values = list(out)
+    else:
+        values = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise YafsdpError(
+        f"the model returned {type(out).__name__} with no floating-point tensor to take a loss on"
+    )
+
+
+def step_loss(out: Any, seed: int) -> torch.Tensor:
+    """``(output * R).sum()`` in float32 for a seeded random ``R`` of the output's shape."""
+    y = output_tensor(out)
+    g = torch.Generator().manual_seed(seed + 1)
+    r = torch.randn(y.shape, generator=g).to(y.device)
+    return (y.float() * r).sum()
+
+
+def forward_backward(model: nn.Module, batch: Batch, seed: int) -> torch.Tensor:
+    """One micro-batch: forward (dropout seeded by ``seed``), loss, backward; the output."""
+    torch.manual_seed(seed)
+    out = model(*batch.args, **batch.kwargs)
+    step_loss(out, seed).backward()
+    return output_tensor(out).detach()
+
+
+def check_optimizer(kind: str, impl: str = "for-loop") -> None:
+    if kind not in OPTIMIZERS:
+        raise YafsdpError(f"--optimizer {kind!r} is not one of {'|'.join(OPTIMIZERS)}")
+    if impl not in OPTIMIZER_IMPLS:
+        raise YafsdpError(f"--optimizer-impl {impl!r} is not one of {'|'.join(OPTIMIZER_IMPLS)}")
+
+
+def make_optimizer(kind: str, params, impl: str = "for-loop") -> torch.optim.Optimizer | None:
+    """The optimizer ``kind`` over ``params``; SGD has momentum (one state per element)."""
+    check_optimizer(kind, impl)
+    params = [p for p in params if p.requires_grad]
+    if kind == "none" or not params:
+        return None
+    flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    kw = flags[impl]
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **kw)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=LR, **kw)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01, **kw)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor an optimizer keeps between steps (its states, ``step`` counters too)."""
+    if opt is None:
+        return []
+    return [
+        v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]

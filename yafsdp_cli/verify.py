@@ -1,0 +1,491 @@
+"""``yafsdp verify``: does the converted model train exactly like the original?
+
+The original module and a converted deep copy run the same seeded micro-batches
+for ``steps`` optimizer steps of ``micro_batches`` accumulated micro-batches each
+(so gradient accumulation, and its reset by ``zero_grad``, are exercised). After
+every micro-batch the outputs are compared; after every step's backward passes
+every gradient by name (every tied owner too: ``FlatModel.named_grads`` against the
+original's ``named_parameters(remove_duplicate=False)``); after the optimizer step
+every parameter and module buffer. Both sides use the same optimizer with
+``foreach=False``; dropout is seeded identically before each forward.
+
+Tolerance: a tensor passes when ``|converted - original| <= atol + rtol * |original|``
+everywhere (NaNs in the same places). Defaults: exact (0, 0) for every dtype on
+CPU, where the converted model runs the very same kernels on the same values, so
+even bfloat16 is bit-exact; on CUDA, ``torch.testing.assert_close``'s defaults
+(float32 1e-5/1.3e-6, bfloat16 1e-5/1.6e-2, float16 1e-5/1e-3), since kernels may
+pick other algorithms for differently aligned parameter views. ``atol``/``rtol``
+override them for every dtype.
+
+A gradient that the original lacks (``None``: the parameter took no part in the
+forward) and the flat buffer holds as zeros is accepted, with a note: torch's
+optimizers skip the one and step the other (weight decay, momentum), which the
+parameter comparison after the step then reports.
+
+With ``world_size > 1`` the check runs on that many processes (``verify_dist``):
+each rank keeps one shard of every flat buffer (``sharded.ShardedFlat``) and the
+gathered gradients and parameters must equal a single-process run of the original
+over every rank's micro-batches, summed in rank order. Each rank's persistent
+bytes are measured and set beside ``memory.estimate_memory``'s model of them.
+
+>>> from yafsdp_cli.sources import load_source
+>>> from yafsdp_cli.verify import VerifyOptions, verify_model
+>>> loaded = load_source(None, model="sample_models.models:mlp")  # doctest: +SKIP
+>>> verify_model(loaded, VerifyOptions(steps=2)).ok  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from . import dtypes
+from .errors import YafsdpError
+from .layout import Layout, round_up
+from .memory import MemoryConfig, estimate_memory
+from .module_spec import spec_from_module
+from .plan import plan
+from .step import check_optimizer, forward_backward, make_batch, make_optimizer, optimizer_tensors
+
+KINDS = ("output", "gradient", "parameter", "buffer")
+MEMORY_TOLERANCE_PERCENT = 1.0
+CUDA_TOLERANCE = {"float32": (1e-5, 1.3e-6), "bfloat16": (1e-5, 1.6e-2), "float16": (1e-5, 1e-3)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyOptions:
+    """What to run; every field has the CLI's default."""
+
+    steps: int = 3
+    micro_batches: int = 2
+    optimizer: str = "adamw"
+    filters: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    units: tuple[str, ...] | None = None
+    world_size: int = 1
+    align: str = "yafsdp"
+    atol: float | None = None
+    rtol: float | None = None
+    batch: int = 2
+    seq_len: int = 16
+    input_shape: tuple[int, ...] | None = None
+    seed: int = 0
+    device: str = "cpu"
+    top: int = 10  # worst tensors to report
+
+    def __post_init__(self) -> None:
+        check_optimizer(self.optimizer)
+        for name in ("steps", "micro_batches", "world_size", "batch", "seq_len"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise YafsdpError(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise YafsdpError(f"--{name} must be a finite number >= 0, got {value}")
+        if self.device not in ("cpu", "cuda"):
+            raise YafsdpError(f"--device {self.device!r} is not cpu or cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    dtype: str
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDiff:
+    """The worst disagreement of one tensor over all steps."""
+
+    kind: str  # output | gradient | parameter | buffer
+    name: str
+    step: int  # the step of the worst disagreement, from 0
+    dtype: str
+    max_abs: float  # max |converted - original|
+    max_rel: float  # max of that / |original| (inf where the original is 0)
+    ok: bool
+    problem: str = ""  # a mismatch that is not numeric: shape, dtype, missing, None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBytes:
+    """Bytes one rank keeps between steps."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """What one rank held after its last optimizer step, beside the memory model."""
+
+    rank: int
+    measured: HeldBytes
+    modeled: HeldBytes  # estimate_memory(...).flat, master weights off
+    round_bytes: int  # allocation rounding applied to both sides
+    diff_percent: float  # 100 * (measured - modeled) / modeled
+    ok: bool  # within MEMORY_TOLERANCE_PERCENT
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    source: str
+    ok: bool  # every comparison within tolerance (and memory within 1%)
+    steps: int
+    micro_batches: int  # per step and rank
+    optimizer: str
+    world_size: int
+    device: str
+    backend: str  # "" in one process, else gloo or nccl
+    flat_buffers: int
+    converted: int  # converted parameters (tied ones once)
+    kept: int  # parameters left as they were
+    compared: int  # tensor comparisons made
+    failures: int  # comparisons out of tolerance
+    tolerances: tuple[Tolerance, ...]
+    worst: tuple[TensorDiff, ...]  # failing first, then the largest errors
+    first_failure: TensorDiff | None  # the earliest comparison out of tolerance
+    memory: tuple[RankMemory, ...]
+    memory_ok: bool
+    notes: tuple[str, ...] = ()
+
+
+# -- tolerances and comparisons --------------------------------------------------------
+
+
+def resolve_tolerances(device: str, atol: float | None, rtol: float | None) -> dict:
+    """dtype -> Tolerance (a dtype not listed is compared exactly unless overridden)."""
+    out = {}
+    for dtype in ("float64", "float32", "bfloat16", "float16"):
+        base_atol, base_rtol = CUDA_TOLERANCE.get(dtype, (0.0, 0.0)) if device == "cuda" else (0, 0)
+        out[dtype] = Tolerance(
+            dtype,
+            float(base_atol if atol is None else atol),
+            float(base_rtol if rtol is None else rtol),
+        )
+    return out
+
+
+def _tolerance(tols: Mapping[str, Tolerance], dtype: str) -> Tolerance:
+    return tols.get(dtype) or Tolerance(dtype, 0.0, 0.0)
+
+
+def diff_tensors(kind, name, step, got, want, tols) -> TensorDiff:
+    """Compare ``got`` (converted) with ``want`` (original)."""
+    if got is None and want is None:
+        return TensorDiff(kind, name, step, "", 0.0, 0.0, True)
+    if got is None or want is None:
+        tensor = got if want is None else want
+        dtype = dtypes.from_torch(tensor.dtype)
+        if kind == "gradient" and want is None and not got.any():
+            return TensorDiff(kind, name, step, dtype, 0.0, 0.0, True, "no gradient; zeros")
+        which = "converted" if got is None else "original"
+        return TensorDiff(kind, name, step, dtype, math.inf, math.inf, False, f"None in {which}")
+    dtype = dtypes.from_torch(want.dtype)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        problem = f"{tuple(got.shape)} {got.dtype} vs original {tuple(want.shape)} {want.dtype}"
+        return TensorDiff(kind, name, step, dtype, math.inf, math.inf, False, problem)
+    if not want.is_floating_point():
+        same = torch.equal(got, want)
+        return TensorDiff(kind, name, step, dtype, 0.0 if same else math.inf, 0.0, same)
+    return _numeric_diff(kind, name, step, got, want, _tolerance(tols, dtype))
+
+
+def _numeric_diff(kind, name, step, got, want, tol: Tolerance) -> TensorDiff:
+    a, b = got.detach().double(), want.detach().double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    err = torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=math.inf))
+    if err.numel() == 0:
+        return TensorDiff(kind, name, step, tol.dtype, 0.0, 0.0, True)
+    scale = b.abs()
+    rel = torch.where(err == 0, torch.zeros_like(err), err / scale)
+    ok = bool((err <= tol.atol + tol.rtol * scale.nan_to_num(nan=0.0)).all())
+    return TensorDiff(kind, name, step, tol.dtype, err.max().item(), rel.max().item(), ok)
+
+
+class Recorder:
+    """Keeps each tensor's worst comparison over all steps."""
+
+    def __init__(self, tolerances: Mapping[str, Tolerance]):
+        self.tolerances = tolerances
+        self.worst: dict[tuple[str, str], TensorDiff] = {}
+        self.compared = self.failures = 0
+        self.no_grad_zero: set[str] = set()
+        self.first_failure: TensorDiff | None = None  # in run order
+
+    def add(self, d: TensorDiff) -> None:
+        self.compared += 1
+        self.failures += not d.ok
+        if not d.ok and self.first_failure is None:
+            self.first_failure = d
+        if d.problem == "no gradient; zeros":
+            self.no_grad_zero.add(d.name)
+        key = (d.kind, d.name)
+        old = self.worst.get(key)
+        if old is None or _rank_key(d) < _rank_key(old):
+            self.worst[key] = d
+
+    def compare(self, kind, name, step, got, want) -> None:
+        self.add(diff_tensors(kind, name, step, got, want, self.tolerances))
+
+    def compare_all(self, kind, step, got: Mapping, want: Mapping) -> None:
+        for name in sorted(set(got) | set(want)):
+            if name not in got or name not in want:
+                side = "converted" if name not in got else "original"
+                problem = f"missing in the {side} model"
+                self.add(TensorDiff(kind, name, step, "", math.inf, math.inf, False, problem))
+            else:
+                self.compare(kind, name, step, got[name], want[name])
+
+    def merge(self, other: Recorder) -> None:
+        self.compared += other.compared
+        self.failures += other.failures
+        self.no_grad_zero |= other.no_grad_zero
+        firsts = [d for d in (self.first_failure, other.first_failure) if d is not None]
+        self.first_failure = min(firsts, key=_run_order, default=None)
+        for key, d in other.worst.items():
+            old = self.worst.get(key)
+            if old is None or _rank_key(d) < _rank_key(old):
+                self.worst[key] = d
+
+    def ranked(self, top: int) -> tuple[TensorDiff, ...]:
+        return tuple(sorted(self.worst.values(), key=_rank_key)[:top])
+
+
+def _run_order(d: TensorDiff):
+    return (d.step, KINDS.index(d.kind), d.name)
+
+
+def _rank_key(d: TensorDiff):
+    return (d.ok, -d.max_abs, -d.max_rel, d.kind, d.name)
+
+
+# -- what a rank holds -----------------------------------------------------------------
+
+
+def held_bytes(groups: Sequence[Iterable[torch.Tensor | None]], round_bytes: int) -> HeldBytes:
+    """Bytes of the distinct storages in (params, grads, optimizer, buffers); a storage
+    is counted once, in the first group that has it; each rounded to ``round_bytes``."""
+    seen: set[int] = set()
+    sums = []
+    for tensors in groups:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += round_up(st.nbytes(), round_bytes)
+        sums.append(total)
+    return HeldBytes(*sums)
+
+
+def rank_memory(rank: int, held: HeldBytes, layout: Layout, optimizer: str, r: int) -> RankMemory:
+    cfg = MemoryConfig(optimizer=optimizer, master_weights=False, round_bytes=r)
+    flat = estimate_memory(layout, cfg).flat
+    modeled = HeldBytes(flat.params, flat.grads, flat.optimizer + flat.master, flat.buffers)
+    diff = 100.0 * (held.total - modeled.total) / modeled.total if modeled.total else 0.0
+    return RankMemory(rank, held, modeled, r, diff, abs(diff) <= MEMORY_TOLERANCE_PERCENT)
+
+
+def allocation_rounding(device: str) -> int:
+    """What one allocation really costs: CUDA's caching allocator rounds to 512 bytes;
+    on the CPU a storage holds exactly its bytes."""
+    return 512 if device == "cuda" else 1
+
+
+# -- the check -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The original module on its device and the layout to convert it with."""
+
+    source: str
+    original: nn.Module
+    layout: Layout
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(loaded, opts: VerifyOptions, *, world_size: int | None = None) -> Prepared:
+    """Build the original module (it needs an architecture) and plan its layout."""
+    module = loaded.build_module()
+    if opts.device == "cuda":
+        if not torch.cuda.is_available():
+            raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
+        module = module.to("cuda")
+    module.train()
+    layout = plan_for(module, opts, world_size or opts.world_size)
+    if not layout.buffers:
+        raise YafsdpError("the filters select no parameter to convert; nothing to verify")
+    return Prepared(loaded.spec.source, module, layout)
+
+
+def plan_for(module: nn.Module, opts: VerifyOptions, world_size: int) -> Layout:
+    return plan(
+        spec_from_module(module),
+        filters=opts.filters,
+        excludes=opts.excludes,
+        units=opts.units,
+        world_size=world_size,
+        align=opts.align,
+    )
+
+
+def micro_seed(opts: VerifyOptions, step: int, micro: int, rank: int = 0) -> int:
+    return opts.seed + 1_000_003 * step + 1009 * micro + 17 * rank
+
+
+def batch_for(module: nn.Module, opts: VerifyOptions, seed: int):
+    return make_batch(
+        module, batch=opts.batch, seq_len=opts.seq_len, seed=seed, input_shape=opts.input_shape
+    )
+
+
+def verify_model(loaded, opts: VerifyOptions | None = None) -> VerifyReport:
+    """Verify a loaded model (``sources.load_source``) in this process.
+
+    With ``opts.world_size > 1`` this process must be one rank of a running
+    ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
+    """
+    opts = opts or VerifyOptions()
+    if opts.world_size > 1:
+        from .verify_dist import verify_this_rank
+
+        return verify_this_rank(loaded, opts)
+    return run_single(prepare(loaded, opts), opts)
+
+
+def verify_source(
+    source: str | None, *, model: str | None = None, trust_pickle: bool = False, opts=None
+) -> VerifyReport:
+    """Load ``source`` (and/or ``--model``) and verify it, on ``opts.world_size``
+    processes when that is more than one (launched here, or this process's rank
+    when started by torchrun)."""
+    from .sources import load_source
+    from .verify_dist import launched_by_torchrun, run_world, torchrun_rank
+
+    opts = opts or VerifyOptions()
+    if launched_by_torchrun():
+        return torchrun_rank(source, model, trust_pickle, opts)
+    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+    if opts.world_size == 1:
+        return verify_model(loaded, opts)
+    check_before_launch(loaded, opts)
+    return run_world([(source, model, trust_pickle, opts)])[0]
+
+
+def check_before_launch(loaded, opts: VerifyOptions) -> None:
+    """Fail here, with one clear error, on what every rank would fail on."""
+    if loaded.module is None and loaded.factory is None:
+        loaded.build_module()  # raises the "needs its architecture" error
+    layout = plan(
+        loaded.spec,
+        filters=opts.filters,
+        excludes=opts.excludes,
+        units=opts.units,
+        world_size=opts.world_size,
+        align=opts.align,
+    )
+    if not layout.buffers:
+        raise YafsdpError("the filters select no parameter to convert; nothing to verify")
+
+
+def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
+    original = prep.original
+    twin = copy.deepcopy(original)
+    from .flat import convert_module
+
+    flat = convert_module(twin, prep.layout)
+    rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
+    ref_opt = make_optimizer(opts.optimizer, original.parameters())
+    opt = make_optimizer(opts.optimizer, twin.parameters())
+    memory = None
+    for step in range(opts.steps):
+        for m in range(opts.micro_batches):
+            seed = micro_seed(opts, step, m)
+            batch = batch_for(original, opts, seed)
+            want = forward_backward(original, batch, seed)
+            got = forward_backward(twin, batch, seed)
+            rec.compare("output", f"output (micro-batch {m})", step, got, want)
+        rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
+        for o in (ref_opt, opt):
+            if o is not None:
+                o.step()
+        if step == opts.steps - 1:
+            memory = _single_memory(twin, opt, prep.layout, opts)
+        rec.compare_all("parameter", step, flat.named_params(), named_params(original))
+        rec.compare_all("buffer", step, dict(twin.named_buffers()), dict(original.named_buffers()))
+        original.zero_grad(set_to_none=True)
+        flat.zero_grad()
+    flat.check_padding()
+    return build_report(prep, opts, rec, (memory,), backend="")
+
+
+def _single_memory(twin: nn.Module, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
+    params = list(twin.parameters())
+    r = allocation_rounding(opts.device)
+    groups = (params, [p.grad for p in params], optimizer_tensors(opt), list(twin.buffers()))
+    return rank_memory(0, held_bytes(groups, r), layout, opts.optimizer, r)
+
+
+def named_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def named_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def build_report(prep, opts, rec: Recorder, memory, *, backend: str, extra_notes=()):
+    layout = prep.layout
+    notes = [*prep.notes, *extra_notes]
+    if rec.no_grad_zero:
+        names = sorted(rec.no_grad_zero)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        notes.append(
+            f"{shown}: no gradient in the original (unused in forward), zeros in the flat "
+            "buffer; torch's optimizers skip the one and step the other"
+        )
+    memory = tuple(m for m in memory if m is not None)
+    memory_ok = all(m.ok for m in memory)
+    return VerifyReport(
+        source=prep.source,
+        ok=rec.failures == 0 and memory_ok,
+        steps=opts.steps,
+        micro_batches=opts.micro_batches,
+        optimizer=opts.optimizer,
+        world_size=layout.world_size,
+        device=opts.device,
+        backend=backend,
+        flat_buffers=len(layout.buffers),
+        converted=sum(len(b.entries) for b in layout.buffers),
+        kept=sum(1 for t in layout.kept if t.is_param),
+        compared=rec.compared,
+        failures=rec.failures,
+        tolerances=tuple(rec.tolerances.values()),
+        worst=rec.ranked(opts.top),
+        first_failure=rec.first_failure,
+        memory=memory,
+        memory_ok=memory_ok,
+        notes=tuple(notes),
+    )
+
+
+def with_world_size(opts: VerifyOptions, world_size: int) -> VerifyOptions:
+    return replace(opts, world_size=world_size)
