@@ -12,26 +12,14 @@ from safetensors.torch import load_model
 from yafsdp_cli.checkpoint import convert_checkpoint, reshard_checkpoint, restore_checkpoint
 
 tf = pytest.importorskip("transformers")
+from hf_models import tiny_model  # noqa: E402
+
 pytestmark = pytest.mark.hf
-VOCAB = 96
 
 
 def tiny(name: str):
-    if name == "llama":
-        config = tf.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        return tf.LlamaForCausalLM(config).to(torch.bfloat16)
-    if name == "gpt2":
-        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
-        return tf.GPT2LMHeadModel(config)
-    config = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
-    return tf.T5ForConditionalGeneration(config)
+    model = tiny_model(name)
+    return model.to(torch.bfloat16) if name == "llama" else model
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])

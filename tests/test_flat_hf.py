@@ -12,39 +12,11 @@ from yafsdp_cli.inputs import projection_loss
 from yafsdp_cli.units import detect_units_from_names
 
 tf = pytest.importorskip("transformers")
-
-VOCAB = 96
+from hf_models import VOCAB, tiny_model  # noqa: E402
 
 
 def tiny(name: str):
-    if name == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
-        return tf.GPT2LMHeadModel(cfg)
-    if name == "t5":
-        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
-        return tf.T5ForConditionalGeneration(cfg)
-    if name == "mixtral":
-        cfg = tf.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-        return tf.MixtralForCausalLM(cfg)
-    if name == "bert":
-        cfg = tf.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        )
-        return tf.BertForMaskedLM(cfg)
-    raise KeyError(name)
+    return tiny_model(name)
 
 
 def train(model, flat=None, steps=2, micro=2):

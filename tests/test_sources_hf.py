@@ -16,52 +16,18 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 
 tf = pytest.importorskip("transformers")
+from hf_models import CLASSES, tiny_config  # noqa: E402
+
 pytestmark = pytest.mark.hf
 runner = CliRunner()
-VOCAB = 96
-
-
-def tiny_config(name: str):
-    if name == "llama":
-        return tf.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    if name == "gpt2":
-        return tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
-    if name == "t5":
-        return tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
-    if name == "mixtral":
-        return tf.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-    raise KeyError(name)
-
-
-CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-    "t5": "T5ForConditionalGeneration",
-    "mixtral": "MixtralForCausalLM",
-}
+HF_CLASSES = {k: v for k, v in CLASSES.items() if k != "bert"}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each tiny model saved with save_pretrained (llama in bf16)."""
     out = {}
-    for name, cls in CLASSES.items():
+    for name, cls in HF_CLASSES.items():
         torch.manual_seed(0)
         model = getattr(tf, cls)(tiny_config(name))
         if name == "llama":
@@ -73,14 +39,14 @@ def folders(tmp_path_factory):
 
 
 def reference(folder, name):
-    return getattr(tf, CLASSES[name]).from_pretrained(folder)
+    return getattr(tf, HF_CLASSES[name]).from_pretrained(folder)
 
 
-@pytest.mark.parametrize("name", sorted(CLASSES))
+@pytest.mark.parametrize("name", sorted(HF_CLASSES))
 def test_folder_builds_the_architecture_and_the_same_weights(folders, name):
     loaded = load_source(folders[name])
     assert loaded.spec.has_architecture and loaded.spec.source_kind == "hf"
-    assert type(loaded.module).__name__ == CLASSES[name]
+    assert type(loaded.module).__name__ == HF_CLASSES[name]
     assert all(p.device.type == "meta" for p in loaded.module.parameters())
     model = loaded.build_module()
     expected = reference(folders[name], name).state_dict()

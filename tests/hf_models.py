@@ -1,0 +1,44 @@
+"""Tiny Hugging Face architectures shared by the tests (no downloads).
+
+Import only after ``pytest.importorskip("transformers")``.
+"""
+
+from __future__ import annotations
+
+import transformers as tf
+
+VOCAB = 96
+
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "t5": "T5ForConditionalGeneration",
+    "mixtral": "MixtralForCausalLM",
+    "bert": "BertForMaskedLM",
+}
+
+
+def tiny_config(name: str):
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if name == "llama":
+        return tf.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, **small)
+    if name == "gpt2":
+        return tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
+    if name == "t5":
+        return tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+    if name == "mixtral":
+        return tf.MixtralConfig(
+            vocab_size=VOCAB,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **small,
+        )
+    if name == "bert":
+        return tf.BertConfig(vocab_size=VOCAB, **small)
+    raise KeyError(name)
+
+
+def tiny_model(name: str):
+    """A freshly initialised model (seed it first)."""
+    return getattr(tf, CLASSES[name])(tiny_config(name))
