@@ -10,9 +10,19 @@ into the flat buffer's ``.grad`` (no per-parameter ``.grad`` exists):
 - a tied parameter is one entry with one view per forward, set on all its owners,
   so autograd sums the contributions before ``_FlatView.backward`` runs once;
 - accumulation follows ``AccumulateGrad``: when the flat ``.grad`` is ``None``
-  (after ``zero_grad()``, the new-step call) a zeroed buffer is allocated and each
-  entry's first gradient is copied in; later gradients are added;
-- padding is never written, so it stays zero through optimizer steps.
+  (after ``zero_grad()``, the new-step call) a buffer is allocated and each entry's
+  first gradient is copied in; later gradients are added. The buffer is not zeroed
+  first: what no gradient reached (padding, entries unused in this backward) is
+  zeroed when the backward ends (``FlatBuffer.fill_gaps``), so a step passes over
+  the gradient memory once, not twice;
+- padding is never written, so it stays zero through optimizer steps;
+- each owning module's own forward pre-hook makes its entries' views again, once
+  per forward, just before it runs. Autograd runs ready nodes newest first, so a
+  view made before the whole forward (by the root hook) would have its backward
+  run last, holding every parameter's gradient until the end of backward (a whole
+  model of gradients on top of the flat one); made just before use, it runs as
+  soon as its gradient exists, as ``AccumulateGrad`` does. The root hook's views
+  stay for parameters read outside their owner's forward.
 
 ``FlatModel.restore()`` gives back ordinary parameters, bit for bit, tied ones as
 one ``nn.Parameter`` again, in their modules' original registration order.
@@ -63,6 +73,7 @@ class FlatBuffer:
         self.entry_requires_grad: list[bool] = requires_grad  # per entry, as it was
         self._grad_ref = None  # weakref to the .grad this buffer allocated
         self._written: set[int] = set()  # entries copied into that .grad so far
+        self._gaps_open = False  # that .grad has unwritten, uninitialized regions
 
     def view(self, index: int) -> torch.Tensor:
         if self.entry_requires_grad[index] and torch.is_grad_enabled():
@@ -80,9 +91,7 @@ class FlatBuffer:
         """Write one entry's gradient into the flat ``.grad`` (copy first, then add)."""
         flat_grad = self.param.grad
         if flat_grad is None:
-            flat_grad = torch.zeros_like(self.param)
-            self.param.grad = flat_grad
-            self._grad_ref, self._written = weakref.ref(flat_grad), set()
+            flat_grad = self._new_grad()
         e = self.layout.entries[index]
         region = flat_grad.narrow(0, e.offset, e.numel)
         ours = self._grad_ref is not None and self._grad_ref() is flat_grad
@@ -91,6 +100,34 @@ class FlatBuffer:
             self._written.add(index)
         else:
             region.add_(grad.reshape(-1))
+
+    def _new_grad(self) -> torch.Tensor:
+        try:  # zero the gaps when this backward ends; outside a backward, zero now
+            torch.autograd.Variable._execution_engine.queue_callback(self.fill_gaps)
+            flat_grad = torch.empty_like(self.param)
+            self._gaps_open = True
+        except RuntimeError:
+            flat_grad = torch.zeros_like(self.param)
+            self._gaps_open = False
+        self.param.grad = flat_grad
+        self._grad_ref, self._written = weakref.ref(flat_grad), set()
+        return flat_grad
+
+    def fill_gaps(self) -> None:
+        """Zero the regions of the allocated ``.grad`` no gradient was written to."""
+        grad = self._grad_ref() if self._grad_ref is not None else None
+        if not self._gaps_open or grad is None:
+            return
+        self._gaps_open = False
+        start = 0
+        with torch.no_grad():
+            for i, e in enumerate(self.layout.entries):
+                if i in self._written:
+                    if e.offset > start:
+                        grad[start : e.offset].zero_()
+                    start = e.offset + e.numel
+            if start < grad.numel():
+                grad[start:].zero_()
 
     def entry_tensor(self, index: int, source: torch.Tensor | None = None):
         """Entry ``index`` of the data (or of ``source``, e.g. the grad) as a view."""
@@ -117,13 +154,42 @@ class FlatModel:
         self.buffers = buffers
         self._orders = orders  # id(module) -> (module, original _parameters keys)
         self._hook = module.register_forward_pre_hook(self._pre_forward)
+        self._pass = 0  # forward passes seen by the root hook
+        self._made: dict[tuple[int, int], int] = {}  # (buffer, entry) -> pass of its view
+        self._owner_hooks = self._hook_owners(module)
         self._index = {
             n: (b, i) for b in buffers for i, e in enumerate(b.layout.entries) for n in e.names
         }
         self.materialize()
 
     def _pre_forward(self, _module, _args) -> None:
+        self._pass += 1
         self.materialize()
+
+    def _hook_owners(self, root: nn.Module) -> list:
+        owned: dict[int, tuple[nn.Module, list[tuple[int, int]]]] = {}
+        for bi, b in enumerate(self.buffers):
+            for i, owners in enumerate(b.owners):
+                for m, _ in owners:
+                    owned.setdefault(id(m), (m, []))[1].append((bi, i))
+        return [
+            m.register_forward_pre_hook(self._owner_pre_forward(entries))
+            for m, entries in owned.values()
+            if m is not root
+        ]
+
+    def _owner_pre_forward(self, entries: list[tuple[int, int]]):
+        def hook(_module, _args) -> None:
+            for bi, i in entries:
+                if self._made.get((bi, i)) == self._pass:
+                    continue  # a tied entry: one view per forward, on all its owners
+                self._made[(bi, i)] = self._pass
+                b = self.buffers[bi]
+                view = b.view(i)
+                for module, attr in b.owners[i]:
+                    setattr(module, attr, view)
+
+        return hook
 
     def materialize(self) -> None:
         """Put fresh views on every owner; the forward hook calls this."""
@@ -180,6 +246,8 @@ class FlatModel:
     def restore(self) -> nn.Module:
         """Give back ordinary parameters, bit for bit; the handle is dead afterwards."""
         self._hook.remove()
+        for h in self._owner_hooks:
+            h.remove()
         for i in range(len(self.buffers)):
             delattr(self.module, f"{HOLDER}_{i}")  # FlatBuffer.param still holds the data
         for b in self.buffers:

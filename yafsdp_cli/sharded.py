@@ -245,6 +245,7 @@ class ShardedFlat:
 
     def _reduce(self, i: int) -> None:
         b, shard = self.flat.buffers[i], self.shards[i]
+        b.fill_gaps()  # padding and entries with no gradient read as zeros
         full_grad = b.param.grad
         self._pending[i] = set()
         if full_grad is None:

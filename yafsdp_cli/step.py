@@ -10,8 +10,12 @@
   ``last_hidden_state`` of a ``ModelOutput``, else the first tensor found.
 - ``step_loss``: ``(output * R).sum()`` in float32 for a seeded random ``R``, so every
   output element (and so every parameter) gets a gradient.
-- ``make_optimizer``: AdamW/Adam/SGD-with-momentum with the chosen implementation
-  (``for-loop`` is what verify uses on both sides: ``foreach=False``).
+- ``make_optimizer``: AdamW/Adam/SGD-with-momentum (lr 1e-3) with the chosen
+  implementation: ``for-loop`` (``foreach=False``) is what verify uses on both
+  sides, because its kernels give every element the same result wherever it sits
+  in a tensor (torch 2.13 CPU: true of Adam/AdamW in every dtype; the fused
+  kernels differ in the last bit near tensor ends even in float32);
+  ``auto`` is torch's own default, what profile uses.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from .errors import YafsdpError
 from .inputs import make_input
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
-OptimizerImpl = Literal["for-loop", "foreach", "fused"]
-OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 LR = 1e-3
 
 
@@ -167,7 +171,12 @@ def make_optimizer(kind: str, params, impl: str = "for-loop") -> torch.optim.Opt
     params = [p for p in params if p.requires_grad]
     if kind == "none" or not params:
         return None
-    flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    flags = {
+        "auto": {},  # torch's own choice: for-loop on CPU, foreach on CUDA
+        "for-loop": {"foreach": False},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+    }
     kw = flags[impl]
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **kw)

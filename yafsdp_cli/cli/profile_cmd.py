@@ -1,12 +1,113 @@
-"""`yafsdp profile`: Measured peak memory of a training step, original vs converted."""
+"""`yafsdp profile`: measured peak memory of a training step, original vs converted."""
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
+
+import typer
+
 from .app import app
-from .common import fail
+from .common import (
+    AlignOpt,
+    ExcludeOpt,
+    FilterOpt,
+    JsonOpt,
+    ModelOpt,
+    TrustPickleOpt,
+    UnitOpt,
+    WorldSizeOpt,
+    errors_to_exit,
+    stdout,
+)
+from .verify_cmd import (
+    BatchOpt,
+    DeviceOpt,
+    FormatOpt,
+    InputShapeOpt,
+    OptimizerOpt,
+    SeedOpt,
+    SeqLenOpt,
+    SourceArg,
+    check_format,
+    parse_shape,
+)
 
 
 @app.command("profile")
-def profile_command() -> None:
-    """Measured peak memory of a training step, original vs converted."""
-    raise fail("`yafsdp profile` is not implemented yet")
+def profile_command(
+    source: SourceArg = None,
+    model: ModelOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    fake: Annotated[
+        bool,
+        typer.Option("--fake", help="Run under FakeTensorMode: shapes only, no memory used."),
+    ] = False,
+    optimizer: OptimizerOpt = "adamw",
+    optimizer_impl: Annotated[
+        str,
+        typer.Option(
+            "--optimizer-impl",
+            help="auto | for-loop | foreach | fused (auto: torch's default for the device).",
+        ),
+    ] = "auto",
+    filters: FilterOpt = None,
+    excludes: ExcludeOpt = None,
+    units: UnitOpt = None,
+    world_size: WorldSizeOpt = 1,
+    align: AlignOpt = "yafsdp",
+    batch: BatchOpt = 2,
+    seq_len: SeqLenOpt = 16,
+    input_shape: InputShapeOpt = None,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    per_module: Annotated[
+        bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
+    ] = False,
+    depth: Annotated[
+        int,
+        typer.Option("--depth", min=1, help="Per-module rows: names with at most DEPTH parts."),
+    ] = 3,
+    json_out: JsonOpt = False,
+    fmt: FormatOpt = "table",
+) -> None:
+    """Measured peak memory of a training step, original vs converted.
+
+    With --world-size N the converted model runs as rank 0 of N: its parameters,
+    gradients and optimizer state are shards, each unit gathered while it runs.
+    """
+    with errors_to_exit():
+        fmt = check_format(fmt, json_out)
+        from ..profiling import ProfileOptions, profile_source
+
+        opts = ProfileOptions(
+            optimizer=optimizer,
+            optimizer_impl=optimizer_impl,
+            filters=tuple(filters or ()),
+            excludes=tuple(excludes or ()),
+            units=tuple(units) if units else None,
+            world_size=world_size,
+            align=align,
+            batch=batch,
+            seq_len=seq_len,
+            input_shape=parse_shape(input_shape),
+            seed=seed,
+            fake=fake,
+            per_module=per_module,
+            depth=depth,
+            device=device,
+        )
+        report = profile_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
+        _render(report, fmt)
+
+
+def _render(report, fmt: str) -> None:
+    from ..report import profile as view
+
+    if fmt == "json":
+        sys.stdout.write(view.to_json(report) + "\n")
+    elif fmt == "markdown":
+        sys.stdout.write(view.to_markdown(report))
+    else:
+        for renderable in view.to_rich(report):
+            stdout.print(renderable)

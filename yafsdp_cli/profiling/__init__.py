@@ -1,0 +1,35 @@
+"""``yafsdp profile``: measured peak memory of one training step, original vs converted.
+
+>>> from yafsdp_cli.profiling import ProfileOptions, profile_source
+>>> report = profile_source(None, model="sample_models.models:gpt",
+...                         opts=ProfileOptions(fake=True))  # doctest: +SKIP
+>>> report.converted_step.peak.total <= report.original.peak.total  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+from .run import (
+    SCHEMA,
+    CudaMemory,
+    ProfileOptions,
+    ProfileReport,
+    StepProfile,
+    profile_model,
+    profile_source,
+)
+from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
+
+__all__ = [
+    "CATEGORIES",
+    "SCHEMA",
+    "Breakdown",
+    "CudaMemory",
+    "ModuleMemory",
+    "ProfileOptions",
+    "ProfileReport",
+    "StepProfile",
+    "StorageTracker",
+    "profile_model",
+    "profile_source",
+]

@@ -1,0 +1,359 @@
+"""Profile one training step of the original and of the converted model.
+
+``profile_model`` builds the model (real, or fake: every parameter and buffer
+replaced by a FakeTensor of the same shape and dtype, so a model that does not fit
+costs no memory), takes one warm-up optimizer step on zero gradients so the
+optimizer state exists (the steady state every later step sees), then tracks one
+step: forward and loss, backward, optimizer step and ``zero_grad``. Then it converts
+the same module in place and does the same again; with ``world_size > 1`` the
+converted model runs as rank 0 of that many (``sharded.ShardedFlat`` with
+``LocalComm``): shards persist, each unit's buffers are gathered while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import dtypes
+from ..errors import YafsdpError
+from ..flat import HOLDER, convert_module
+from ..module_spec import collect_tensors, spec_from_module
+from ..plan import plan
+from ..sharded import LocalComm, ShardedFlat
+from ..step import (
+    Batch,
+    check_optimizer,
+    make_batch,
+    make_optimizer,
+    optimizer_tensors,
+    step_loss,
+)
+from .tracker import Breakdown, ModuleMemory, StorageTracker
+
+SCHEMA = "yafsdp.profile/1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    optimizer: str = "adamw"
+    optimizer_impl: str = "auto"
+    filters: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    units: tuple[str, ...] | None = None
+    world_size: int = 1
+    align: str = "yafsdp"
+    batch: int = 2
+    seq_len: int = 16
+    input_shape: tuple[int, ...] | None = None
+    seed: int = 0
+    fake: bool = False
+    per_module: bool = False
+    depth: int = 3  # per-module rows: module names with at most this many parts
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        check_optimizer(self.optimizer, self.optimizer_impl)
+        for name in ("world_size", "batch", "seq_len", "depth"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise YafsdpError(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise YafsdpError(f"--device {self.device!r} is not cpu or cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemory:
+    """``torch.cuda`` peaks over the tracked step (only with a GPU)."""
+
+    allocated_peak: int
+    reserved_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    variant: str  # "original" or "converted"
+    peak: Breakdown  # bytes alive at the step's peak, by category
+    peak_phase: str  # forward | backward | optimizer
+    phase_peaks: dict[str, int]  # the highest total in each phase
+    end: Breakdown  # alive after zero_grad: what the next step starts from
+    modules: tuple[ModuleMemory, ...]
+    cuda: CudaMemory | None
+    ops: int
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReport:
+    source: str
+    fake: bool
+    device: str
+    world_size: int  # the converted model runs as rank 0 of this many
+    optimizer: str
+    optimizer_impl: str
+    inputs: str  # e.g. "input_ids (1, 4096) int64"
+    round_bytes: int  # every storage rounded up to this (CUDA's allocator: 512)
+    flat_buffers: int
+    converted: int
+    kept: int
+    original: StepProfile
+    converted_step: StepProfile
+    notes: tuple[str, ...] = ()
+
+    @property
+    def saving_bytes(self) -> int:
+        return self.original.peak.total - self.converted_step.peak.total
+
+
+def profile_source(source, *, model=None, trust_pickle=False, opts=None) -> ProfileReport:
+    from ..sources import load_source
+
+    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+    return profile_model(loaded, opts or ProfileOptions())
+
+
+def profile_model(loaded, opts: ProfileOptions | None = None) -> ProfileReport:
+    """Profile ``loaded`` (``sources.load_source``): original, then converted."""
+    opts = opts or ProfileOptions()
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
+    fake_mode = _fake_mode() if opts.fake else None
+    with _entered(fake_mode):
+        module = build_module(loaded, opts, fake_mode)
+        module.train()
+        layout = plan(
+            spec_from_module(module),
+            filters=opts.filters,
+            excludes=opts.excludes,
+            units=opts.units,
+            world_size=opts.world_size,
+            align=opts.align,
+        )
+    batch = _batch(module, opts, fake_mode)
+    rounding = 512 if opts.device == "cuda" else 1
+    with _entered(fake_mode):
+        original = _profile_step(
+            "original", module, list(module.parameters()), batch, opts, rounding
+        )
+        flat = convert_module(module, layout)
+        sharded = None
+        if opts.world_size > 1:
+            sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
+        params = sharded.parameters() if sharded else list(module.parameters())
+        converted = _profile_step("converted", module, params, batch, opts, rounding, sharded)
+    return ProfileReport(
+        source=loaded.spec.source,
+        fake=opts.fake,
+        device=opts.device,
+        world_size=opts.world_size,
+        optimizer=opts.optimizer,
+        optimizer_impl=opts.optimizer_impl,
+        inputs=_describe(batch),
+        round_bytes=rounding,
+        flat_buffers=len(layout.buffers),
+        converted=sum(len(b.entries) for b in layout.buffers),
+        kept=sum(1 for t in layout.kept if t.is_param),
+        original=original,
+        converted_step=converted,
+        notes=_notes(opts),
+    )
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+@contextlib.contextmanager
+def _entered(mode):
+    if mode is None:
+        yield
+    else:
+        with mode:
+            yield
+
+
+def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
+    """A real module with the weights, or a fake one that holds no memory."""
+    if fake_mode is None:
+        module = loaded.build_module()
+        return module.to("cuda") if opts.device == "cuda" else module
+    if loaded.module is None:
+        loaded.build_module()  # raises: profiling needs an architecture
+    return fake_copy(loaded.module, loaded.spec, opts.device)
+
+
+def fake_copy(module: nn.Module, spec, device: str) -> nn.Module:
+    """``module`` (meta or real) with every tensor replaced by an empty one of the
+    same shape, in the dtype the weights have; call inside a FakeTensorMode. Ties are
+    kept (one replacement per tensor object)."""
+    by_name = spec.by_name() if spec is not None else {}
+    memo: dict[int, torch.Tensor] = {}
+    for item in collect_tensors(module):
+        t = item.tensor
+        record = by_name.get(item.names[0])
+        dtype = dtypes.to_torch(record.dtype) if record is not None else t.dtype
+        new = torch.empty(t.shape, dtype=dtype, device=device)
+        if item.is_param:
+            new = nn.Parameter(new, requires_grad=t.requires_grad)
+        memo[id(t)] = new
+    return copy.deepcopy(module, memo)
+
+
+def _batch(module: nn.Module, opts: ProfileOptions, fake_mode) -> Batch:
+    batch = make_batch(
+        module,
+        batch=opts.batch,
+        seq_len=opts.seq_len,
+        seed=opts.seed,
+        input_shape=opts.input_shape,
+    )
+    if opts.device == "cuda":
+        batch = batch.map(lambda t: t.to("cuda"))
+    if fake_mode is not None:
+        batch = batch.map(fake_mode.from_tensor)
+    return batch
+
+
+def _describe(batch: Batch) -> str:
+    items = [*(("input", a) for a in batch.args), *batch.kwargs.items()]
+    return ", ".join(
+        f"{k} {tuple(v.shape)} {dtypes.from_torch(v.dtype)}"
+        for k, v in items
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _warm_up(opt, params: list[nn.Parameter]) -> None:
+    """One step on zero gradients: the optimizer state of a steady-state step."""
+    if opt is None:
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) -> StepProfile:
+    opt = make_optimizer(opts.optimizer, params, opts.optimizer_impl)
+    _warm_up(opt, params)
+    tracker = StorageTracker(rounding)
+    _assign_roles(tracker, module, params, opt, batch)
+    if sharded is not None:
+        sharded.on_grad_buffer = lambda g: tracker.assign(g, "gradients")
+    names = _module_names(module, opts) if opts.per_module else {}
+    cuda_before = _cuda_reset(opts.device)
+    start = time.perf_counter()
+    with tracker, _tracking_modules(tracker, names):
+        _tracked_step(tracker, module, params, batch, opt, opts, sharded)
+    wall = time.perf_counter() - start
+    timeline = tracker.replay(list(dict.fromkeys(names.values())))
+    return StepProfile(
+        variant=variant,
+        peak=timeline.peak,
+        peak_phase=timeline.peak_phase,
+        phase_peaks=timeline.phase_peaks,
+        end=timeline.end,
+        modules=timeline.modules,
+        cuda=_cuda_peaks(opts.device, cuda_before),
+        ops=timeline.ops,
+        wall_s=wall,
+    )
+
+
+def _assign_roles(tracker, module, params, opt, batch) -> None:
+    whole = [p for n, p in module.named_parameters() if n.startswith(HOLDER + "_")]
+    tracker.assign([*params, *whole, *module.parameters()], "parameters")
+    tracker.assign(list(module.buffers()), "buffers")
+    tracker.assign(optimizer_tensors(opt), "optimizer")
+    tracker.assign(batch.tensors(), "activations")
+
+
+def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
+    tracker.set_phase("forward")
+    torch.manual_seed(opts.seed)
+    loss = step_loss(module(*batch.args, **batch.kwargs), opts.seed)
+    tracker.set_phase("backward")
+    loss.backward()
+    del loss
+    if sharded is not None:
+        sharded.finish_backward()
+    tracker.assign([p.grad for p in params if p.grad is not None], "gradients")
+    tracker.assign([p.grad for p in module.parameters() if p.grad is not None], "gradients")
+    tracker.set_phase("optimizer")
+    if opt is not None:
+        opt.step()
+        tracker.assign(optimizer_tensors(opt), "optimizer")
+    for p in [*params, *module.parameters()]:
+        p.grad = None
+
+
+def _module_names(module: nn.Module, opts: ProfileOptions) -> dict[int, str]:
+    out = {}
+    for name, m in module.named_modules():
+        if name and name.count(".") < opts.depth:
+            out.setdefault(id(m), name)
+    return out
+
+
+@contextlib.contextmanager
+def _tracking_modules(tracker: StorageTracker, names: dict[int, str]):
+    if not names:
+        yield
+        return
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    def hook(backward: bool, enter: bool):
+        def fn(mod, *_args):
+            name = names.get(id(mod)) if mod is not None else None
+            if name is not None:
+                (tracker.enter_module if enter else tracker.exit_module)(name, backward)
+
+        return fn
+
+    mt = ModTracker()
+    mt.register_user_hooks(
+        hook(False, True), hook(False, False), hook(True, True), hook(True, False)
+    )
+    with mt:
+        yield
+    mt.clear_user_hooks()
+
+
+def _cuda_reset(device: str):
+    # Not testable on a machine without a GPU; guarded so it never runs there.
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return True
+
+
+def _cuda_peaks(device: str, started) -> CudaMemory | None:
+    if started is None:
+        return None
+    torch.cuda.synchronize()
+    return CudaMemory(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+
+
+def _notes(opts: ProfileOptions) -> tuple[str, ...]:
+    notes = [
+        "one warm-up step on zero gradients first, so optimizer state exists as in every "
+        "later step; bytes are the storages the step's tensors use, not the allocator's cache",
+    ]
+    if opts.fake:
+        notes.append("fake tensors (FakeTensorMode): shapes and dtypes only, no memory used")
+    if opts.world_size > 1:
+        notes.append(
+            f"converted: rank 0 of {opts.world_size}; persistent parameters, gradients and "
+            "optimizer state are shards, each unit's buffers gathered while it runs; the "
+            "original is one whole (DDP-like) replica"
+        )
+    return tuple(notes)

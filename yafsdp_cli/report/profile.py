@@ -1,0 +1,204 @@
+"""Rendering a ``ProfileReport``: peak bytes by category, original beside converted.
+
+Nothing is computed here beyond differences of figures the report holds.
+"""
+
+from __future__ import annotations
+
+from ..profiling import CATEGORIES, SCHEMA, ProfileReport, StepProfile
+from .common import human_bytes, json_document, markdown_table
+from .verify import Section, rich_sections
+
+LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "temporaries": "temporaries",
+    "buffers": "module buffers",
+}
+
+
+def to_json(report: ProfileReport) -> str:
+    """One ``yafsdp.profile/1`` document: every field of the report, in bytes."""
+    return json_document(
+        SCHEMA,
+        {
+            "source": report.source,
+            "fake": report.fake,
+            "device": report.device,
+            "world_size": report.world_size,
+            "optimizer": report.optimizer,
+            "optimizer_impl": report.optimizer_impl,
+            "inputs": report.inputs,
+            "round_bytes": report.round_bytes,
+            "flat_buffers": report.flat_buffers,
+            "converted_params": report.converted,
+            "kept_params": report.kept,
+            "original": _step_json(report.original),
+            "converted": _step_json(report.converted_step),
+            "saving_bytes": report.saving_bytes,
+            "notes": report.notes,
+        },
+    )
+
+
+def _step_json(s: StepProfile) -> dict:
+    return {
+        "peak_bytes": s.peak.total,
+        "peak": s.peak,
+        "peak_phase": s.peak_phase,
+        "phase_peaks": s.phase_peaks,
+        "end_of_step": s.end,
+        "modules": s.modules,
+        "cuda": s.cuda,
+        "ops": s.ops,
+        "wall_s": round(s.wall_s, 4),
+    }
+
+
+def sections(report: ProfileReport) -> list[Section]:
+    out = [summary_section(report), peak_section(report)]
+    if report.original.modules or report.converted_step.modules:
+        out.append(module_section(report))
+    return out
+
+
+def summary_section(report: ProfileReport) -> Section:
+    mode = "fake tensors (no memory used)" if report.fake else f"real tensors on {report.device}"
+    run = "1 process" if report.world_size == 1 else f"rank 0 of {report.world_size}"
+    rows = (
+        ("source", report.source),
+        ("run", f"{mode}; converted as {run}"),
+        ("inputs", report.inputs),
+        ("step", f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step"),
+        (
+            "converted",
+            f"{report.converted} parameters in {report.flat_buffers} flat buffers, "
+            f"{report.kept} kept",
+        ),
+    )
+    return Section("yafsdp profile", ("", ""), rows)
+
+
+def peak_section(report: ProfileReport) -> Section:
+    o, c = report.original, report.converted_step
+    rows = [
+        (
+            LABELS[k],
+            human_bytes(getattr(o.peak, k)),
+            human_bytes(getattr(c.peak, k)),
+            _delta(getattr(c.peak, k) - getattr(o.peak, k)),
+        )
+        for k in CATEGORIES
+    ]
+    rows.append(
+        (
+            "peak",
+            human_bytes(o.peak.total),
+            human_bytes(c.peak.total),
+            _delta(c.peak.total - o.peak.total),
+        )
+    )
+    rows.append(("peak in", o.peak_phase, c.peak_phase, ""))
+    for phase in ("forward", "backward", "optimizer"):
+        rows.append(
+            (
+                f"{phase} peak",
+                human_bytes(o.phase_peaks.get(phase, 0)),
+                human_bytes(c.phase_peaks.get(phase, 0)),
+                "",
+            )
+        )
+    rows.append(
+        (
+            "after the step",
+            human_bytes(o.end.total),
+            human_bytes(c.end.total),
+            _delta(c.end.total - o.end.total),
+        )
+    )
+    if o.cuda and c.cuda:
+        rows.append(
+            (
+                "CUDA allocated peak",
+                human_bytes(o.cuda.allocated_peak),
+                human_bytes(c.cuda.allocated_peak),
+                "",
+            )
+        )
+        rows.append(
+            (
+                "CUDA reserved peak",
+                human_bytes(o.cuda.reserved_peak),
+                human_bytes(c.cuda.reserved_peak),
+                "",
+            )
+        )
+    caption = (
+        "bytes alive at each step's peak, by what they are (they sum to the peak); "
+        f"storages rounded to {report.round_bytes} B"
+    )
+    return Section(
+        "Peak memory of one training step",
+        ("", "original", "converted", "change"),
+        tuple(rows),
+        right=(1, 2, 3),
+        caption=caption,
+    )
+
+
+def module_section(report: ProfileReport) -> Section:
+    conv = {m.name: m for m in report.converted_step.modules}
+    rows = []
+    for m in report.original.modules:
+        c = conv.get(m.name)
+        rows.append(
+            (
+                m.name,
+                human_bytes(m.saved),
+                human_bytes(m.forward_peak),
+                human_bytes(m.backward_peak),
+                human_bytes(c.forward_peak) if c else "-",
+                human_bytes(c.backward_peak) if c else "-",
+            )
+        )
+    headers = ("module", "saved for bw", "fwd peak", "bw peak", "conv fwd peak", "conv bw peak")
+    caption = (
+        "saved for bw: bytes its forward made that were still alive when backward began "
+        "(original); peaks: the most alive while it ran"
+    )
+    return Section("Per module", headers, tuple(rows), right=(1, 2, 3, 4, 5), caption=caption)
+
+
+def _delta(n: int) -> str:
+    if n == 0:
+        return "="
+    return ("+" if n > 0 else "-") + human_bytes(abs(n))
+
+
+def verdict(report: ProfileReport) -> str:
+    o, c = report.original.peak.total, report.converted_step.peak.total
+    if c <= o:
+        pct = 100.0 * (o - c) / o if o else 0.0
+        return (
+            f"converted peak {human_bytes(c)}: {human_bytes(o - c)} ({pct:.1f}%) below the original"
+        )
+    return f"converted peak {human_bytes(c)}: {human_bytes(c - o)} above the original"
+
+
+def to_markdown(report: ProfileReport) -> str:
+    parts = [f"**{verdict(report)}**", ""]
+    for s in sections(report):
+        parts.append(f"### {s.title}\n")
+        parts.append(markdown_table(s.headers, s.rows))
+        if s.caption:
+            parts.append(f"\n_{s.caption}_")
+        parts.append("")
+    parts += [f"- {n}" for n in report.notes]
+    return "\n".join(parts) + "\n"
+
+
+def to_rich(report: ProfileReport) -> list:
+    ok = report.converted_step.peak.total <= report.original.peak.total
+    return rich_sections(sections(report), report.notes, verdict(report), ok)
