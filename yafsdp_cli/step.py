@@ -48,6 +48,15 @@ class Batch:
         items = [*self.args, *self.kwargs.values()]
         return [t for t in items if isinstance(t, torch.Tensor)]
 
+    def describe(self) -> str:
+        """``"input_ids (2, 16) int64, ..."``."""
+        items = [*(("input", a) for a in self.args), *self.kwargs.items()]
+        return ", ".join(
+            f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+            for k, v in items
+            if isinstance(v, torch.Tensor)
+        )
+
     def map(self, fn) -> Batch:
         """The same batch with ``fn`` applied to every tensor (e.g. to fake it)."""
 
@@ -150,10 +159,25 @@ def step_loss(out: Any, seed: int) -> torch.Tensor:
     return (y.float() * r).sum()
 
 
+def run_forward(model: nn.Module, batch: Batch) -> Any:
+    """``model(batch)``; a failure of the model's own code is a YafsdpError that says
+    what it was given."""
+    try:
+        return model(*batch.args, **batch.kwargs)
+    except YafsdpError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise YafsdpError(
+            f"the model's forward failed on {batch.describe()} ({type(exc).__name__}: "
+            f"{first}); give --input-shape, or check --model"
+        ) from exc
+
+
 def forward_backward(model: nn.Module, batch: Batch, seed: int) -> torch.Tensor:
     """One micro-batch: forward (dropout seeded by ``seed``), loss, backward; the output."""
     torch.manual_seed(seed)
-    out = model(*batch.args, **batch.kwargs)
+    out = run_forward(model, batch)
     step_loss(out, seed).backward()
     return output_tensor(out).detach()
 

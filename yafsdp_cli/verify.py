@@ -392,6 +392,8 @@ def verify_source(
 
 def check_before_launch(loaded, opts: VerifyOptions) -> None:
     """Fail here, with one clear error, on what every rank would fail on."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
     if loaded.module is None and loaded.factory is None:
         loaded.build_module()  # raises the "needs its architecture" error
     layout = plan(

@@ -32,6 +32,7 @@ from ..step import (
     make_batch,
     make_optimizer,
     optimizer_tensors,
+    run_forward,
     step_loss,
 )
 from .tracker import Breakdown, ModuleMemory, StorageTracker
@@ -123,6 +124,11 @@ def profile_model(loaded, opts: ProfileOptions | None = None) -> ProfileReport:
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
     fake_mode = _fake_mode() if opts.fake else None
+    with _fake_errors(opts.fake):
+        return _profile(loaded, opts, fake_mode)
+
+
+def _profile(loaded, opts: ProfileOptions, fake_mode) -> ProfileReport:
     with _entered(fake_mode):
         module = build_module(loaded, opts, fake_mode)
         module.train()
@@ -153,7 +159,7 @@ def profile_model(loaded, opts: ProfileOptions | None = None) -> ProfileReport:
         world_size=opts.world_size,
         optimizer=opts.optimizer,
         optimizer_impl=opts.optimizer_impl,
-        inputs=_describe(batch),
+        inputs=batch.describe(),
         round_bytes=rounding,
         flat_buffers=len(layout.buffers),
         converted=sum(len(b.entries) for b in layout.buffers),
@@ -168,6 +174,39 @@ def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+@contextlib.contextmanager
+def _fake_errors(fake: bool):
+    """Under --fake, an op fake tensors cannot run is one clear error, and torch's
+    fake-tensor logger does not print its traceback first."""
+    if not fake:
+        yield
+        return
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except YafsdpError as exc:
+        cause = exc.__cause__
+        if cause is None:
+            raise
+        raise YafsdpError(_fake_message(cause)) from cause
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        raise YafsdpError(_fake_message(exc)) from exc
+    finally:
+        log.setLevel(level)
+
+
+def _fake_message(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return (
+        f"--fake: this model does not run on fake tensors ({type(exc).__name__}: {first}); "
+        "profile it without --fake, or on the device its kernels need"
+    )
 
 
 @contextlib.contextmanager
@@ -221,15 +260,6 @@ def _batch(module: nn.Module, opts: ProfileOptions, fake_mode) -> Batch:
     return batch
 
 
-def _describe(batch: Batch) -> str:
-    items = [*(("input", a) for a in batch.args), *batch.kwargs.items()]
-    return ", ".join(
-        f"{k} {tuple(v.shape)} {dtypes.from_torch(v.dtype)}"
-        for k, v in items
-        if isinstance(v, torch.Tensor)
-    )
-
-
 def _warm_up(opt, params: list[nn.Parameter]) -> None:
     """One step on zero gradients: the optimizer state of a steady-state step."""
     if opt is None:
@@ -279,7 +309,7 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
 def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
     tracker.set_phase("forward")
     torch.manual_seed(opts.seed)
-    loss = step_loss(module(*batch.args, **batch.kwargs), opts.seed)
+    loss = step_loss(run_forward(module, batch), opts.seed)
     tracker.set_phase("backward")
     loss.backward()
     del loss
