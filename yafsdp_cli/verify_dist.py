@@ -60,6 +60,13 @@ from .verify import (
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=5)
+SGD_NOTE = (
+    "SGD on bfloat16/float16 buffers: torch's CPU kernel for add(..., alpha) rounds the last "
+    "few elements of a tensor (its scalar tail) differently, so a shard boundary inside a "
+    "parameter can change the last bit of an update, and later steps amplify it; AdamW and "
+    "Adam have no such tail; shards and parameters whose sizes are multiples of 64 elements "
+    "avoid it"
+)
 BUFFERS_NOTE = (
     "module buffers (BatchNorm statistics) are not compared across ranks: each rank "
     "updates its own from its own micro-batches"
@@ -274,5 +281,9 @@ def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, mem
     for other, _ in parts:
         merged.merge(other)
     memories = tuple(m for _, m in parts)
+    notes = [BUFFERS_NOTE]
+    half = any(b.dtype in ("bfloat16", "float16") for b in prep.layout.buffers)
+    if opts.optimizer == "sgd" and half:
+        notes.append(SGD_NOTE)
     backend = dist.get_backend()
-    return build_report(prep, opts, merged, memories, backend=backend, extra_notes=(BUFFERS_NOTE,))
+    return build_report(prep, opts, merged, memories, backend=backend, extra_notes=notes)
