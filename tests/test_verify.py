@@ -236,3 +236,50 @@ def test_options_are_checked():
         VerifyOptions(steps=0)
     with pytest.raises(YafsdpError, match="--device 'tpu'"):
         VerifyOptions(device="tpu")
+
+
+FROZEN_AND_UNUSED = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.emb.weight.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(24, 24), nn.Tanh()) for _ in range(3))
+        self.unused = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 50)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def build():
+    return M()
+"""
+
+
+def test_frozen_and_unused_parameters(tmp_path):
+    """A frozen embedding is fine; an unused Linear gets zeros in its flat buffer, so
+    AdamW decays it where torch skips the original: reported, with what to do."""
+    factory = tmp_path / "frozen_unused.py"
+    factory.write_text(FROZEN_AND_UNUSED)
+    model = f"{factory}:build"
+    result = runner.invoke(app, ["verify", "--model", model, "--json"])
+    assert result.exit_code == 1
+    rep = json.loads(result.stdout)["report"]
+    assert rep["first_failure"]["name"].startswith("unused.")
+    assert rep["first_failure"]["kind"] == "parameter"
+    assert any("--exclude them" in n for n in rep["notes"])
+    result = runner.invoke(
+        app, ["verify", "--model", model, "--exclude", "name:unused.*", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    rep = json.loads(result.stdout)["report"]
+    # the kept unused Linear holds no gradient and no state, and the model is told so
+    assert rep["kept"] == 2 and rep["memory"][0]["ok"]

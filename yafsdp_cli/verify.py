@@ -38,6 +38,7 @@ True
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from .errors import YafsdpError
+from .flat import HOLDER
 from .layout import Layout, round_up
 from .memory import MemoryConfig, estimate_memory
 from .module_spec import spec_from_module
@@ -170,8 +172,19 @@ def held_bytes(groups: Sequence[Iterable[torch.Tensor | None]], round_bytes: int
     return HeldBytes(*sums)
 
 
-def rank_memory(rank: int, held: HeldBytes, layout: Layout, optimizer: str, r: int) -> RankMemory:
+def rank_memory(
+    rank: int, held: HeldBytes, layout: Layout, optimizer: str, r: int, no_grad=frozenset()
+) -> RankMemory:
+    """``held`` beside the memory model of ``layout``; ``no_grad`` names unconverted
+    parameters that never got a gradient (unused in forward), so hold no gradient and
+    no optimizer state, which the model is told."""
     cfg = MemoryConfig(optimizer=optimizer, master_weights=False, round_bytes=r)
+    if no_grad:
+        kept = tuple(
+            dataclasses.replace(t, requires_grad=False) if t.name in no_grad else t
+            for t in layout.kept
+        )
+        layout = dataclasses.replace(layout, kept=kept)
     flat = estimate_memory(layout, cfg).flat
     modeled = HeldBytes(flat.params, flat.grads, flat.optimizer + flat.master, flat.buffers)
     diff = 100.0 * (held.total - modeled.total) / modeled.total if modeled.total else 0.0
@@ -318,7 +331,17 @@ def _single_memory(twin: nn.Module, opt, layout: Layout, opts: VerifyOptions) ->
     params = list(twin.parameters())
     r = allocation_rounding(opts.device)
     groups = (params, [p.grad for p in params], optimizer_tensors(opt), list(twin.buffers()))
-    return rank_memory(0, held_bytes(groups, r), layout, opts.optimizer, r)
+    held = held_bytes(groups, r)
+    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(twin))
+
+
+def unused_kept(module: nn.Module) -> frozenset[str]:
+    """Trainable unconverted parameters without a gradient (after a backward)."""
+    return frozenset(
+        n
+        for n, p in module.named_parameters()
+        if p.requires_grad and p.grad is None and not n.startswith(HOLDER + "_")
+    )
 
 
 def named_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -337,7 +360,8 @@ def build_report(prep, opts, rec: Recorder, memory, *, backend: str, extra_notes
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         notes.append(
             f"{shown}: no gradient in the original (unused in forward), zeros in the flat "
-            "buffer; torch's optimizers skip the one and step the other"
+            "buffer; torch's optimizers skip the one and step the other (--exclude them "
+            "to compare the rest)"
         )
     memory = tuple(m for m in memory if m is not None)
     memory_ok = all(m.ok for m in memory)

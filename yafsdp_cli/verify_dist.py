@@ -269,7 +269,8 @@ def _rank_memory(rank, twin, sharded: ShardedFlat, opt, prep: Prepared, opts: Ve
         list(twin.buffers()),
     )
     r = allocation_rounding(opts.device)
-    return rank_memory(rank, held_bytes(groups, r), prep.layout, opts.optimizer, r)
+    no_grad = frozenset(n for n, p in sharded.kept_parameters() if p.grad is None)
+    return rank_memory(rank, held_bytes(groups, r), prep.layout, opts.optimizer, r, no_grad)
 
 
 def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, memory):
