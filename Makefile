@@ -24,9 +24,13 @@ install: $(STAMP)
 demo: install
 	$(BIN)/yafsdp inspect sample_models/llama.safetensors --world-size 8
 	rm -rf $(DEMO)
-	$(BIN)/yafsdp convert sample_models/llama.safetensors --world-size 8 -o $(DEMO)/llama.flat.safetensors
+	$(BIN)/yafsdp convert sample_models/llama.safetensors --world-size 8 --sharded -o $(DEMO)/llama-flat
+	$(BIN)/yafsdp reshard $(DEMO)/llama-flat --world-size 4 -o $(DEMO)/llama.flat.safetensors
 	$(BIN)/yafsdp restore $(DEMO)/llama.flat.safetensors -o $(DEMO)/llama.restored.safetensors
-	$(BIN)/yafsdp verify sample_models/llama.safetensors --model sample_models.models:llama
+	$(BIN)/yafsdp verify sample_models/llama.safetensors --model sample_models.models:llama --world-size 2
+	$(BIN)/yafsdp profile sample_models/gpt.safetensors --model sample_models.models:gpt --world-size 4
+	$(BIN)/yafsdp check sample_models/llama.safetensors --baseline $(DEMO)/llama.mem.json --update -n 8
+	$(BIN)/yafsdp check sample_models/llama.safetensors --baseline $(DEMO)/llama.mem.json
 
 test: install
 	$(BIN)/python -m pytest -q
