@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
@@ -25,22 +24,43 @@ class Run:
     stdout: bytes
 
 
+# Linux folds the pre-exec image of a forked child into its peak RSS (at exec the
+# old mm's high-water mark is kept), so a child forked straight from this Python
+# process would report at least this process's own peak. A tiny wrapper (python -S,
+# about 10 MB) forks and execs the command and reports the command's own wait4
+# ru_maxrss; the import floor is measured the same way.
+_WRAPPER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(argv: list[str], *, env: dict | None = None, stdout_to: Path | None = None) -> Run:
-    """Run ``argv`` once; its wall time and peak RSS (``wait4``'s ``ru_maxrss``)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run ``argv`` once; its wall time and peak RSS (the command's own ``ru_maxrss``)."""
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r") as rss,
+    ):
+        wrapped = [PYTHON, "-S", "-c", _WRAPPER, rss.name, *argv]
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        code = subprocess.call(wrapped, stdout=out, stderr=err, env=env)
         wall = time.perf_counter() - start
-        code = os.waitstatus_to_exitcode(status)
         out.seek(0)
         data = out.read()
         if code != 0:
             err.seek(0)
             sys.stderr.write(err.read().decode(errors="replace"))
+        peak_kib = int(rss.read() or 0)
     if stdout_to:
         stdout_to.write_bytes(data)
-    return Run(wall, usage.ru_maxrss * 1024, code, data)
+    return Run(wall, peak_kib * 1024, code, data)
 
 
 def median_run(argv: list[str], repeat: int = 5, **kw) -> Run:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .errors import YafsdpError
-from .inputs import make_input
+from .inputs import make_input, projection_loss
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
@@ -153,10 +153,7 @@ def output_tensor(out: Any) -> torch.Tensor:
 
 def step_loss(out: Any, seed: int) -> torch.Tensor:
     """``(output * R).sum()`` in float32 for a seeded random ``R`` of the output's shape."""
-    y = output_tensor(out)
-    g = torch.Generator().manual_seed(seed + 1)
-    r = torch.randn(y.shape, generator=g).to(y.device)
-    return (y.float() * r).sum()
+    return projection_loss(output_tensor(out), seed)
 
 
 def run_forward(model: nn.Module, batch: Batch) -> Any:

@@ -18,6 +18,7 @@ from .. import dtypes
 from ..errors import CheckpointError
 from ..layout import BufferLayout, Layout
 from ..sources.safetensors_file import StHeader, read_header
+from ..sources.safetensors_file import read_chunks as _read_file_chunks
 from .engine import file_slots
 from .format import (
     FORMAT_VERSION,
@@ -133,18 +134,7 @@ def read_chunks(
     path: Path, offset: int, nbytes: int, chunk: int = STREAM_CHUNK
 ) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
-    if nbytes <= 0:
-        return
-    buf = bytearray(min(chunk, nbytes))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while nbytes:
-            n = f.readinto(view[: min(nbytes, len(buf))])
-            if not n:
-                raise CheckpointError(f"{path}: ended early (truncated file)")
-            nbytes -= n
-            yield view[:n]
+    return _read_file_chunks(path, offset, nbytes, chunk, error=CheckpointError)
 
 
 def _padding(b: BufferLayout, rank: int, shards: int) -> list[tuple[int, int]]:

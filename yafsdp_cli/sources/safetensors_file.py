@@ -208,17 +208,8 @@ class SafetensorsReader:
     def iter_bytes(self, name: str, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """The tensor's bytes in chunks; each chunk is valid until the next one."""
         e = self.entries[name]
-        buf = bytearray(min(chunk, max(e.nbytes, 1)))
-        view = memoryview(buf)
-        with open(e.path, "rb", buffering=0) as f:
-            f.seek(e.file_offset)
-            left = e.nbytes
-            while left:
-                n = f.readinto(view[: min(left, len(buf))])
-                if not n:
-                    raise SourceError(f"{e.path}: ended inside tensor {name!r} (truncated file)")
-                left -= n
-                yield view[:n]
+        what = f"inside tensor {name!r}"
+        return read_chunks(e.path, e.file_offset, e.nbytes, chunk, error=SourceError, what=what)
 
     def load(self, name: str):
         """One tensor as a new torch tensor (copies the bytes; torch is imported here)."""
@@ -240,3 +231,28 @@ def open_safetensors(path: Path) -> SafetensorsReader:
     if path.name.endswith(".index.json"):
         return SafetensorsReader(read_index(path))
     return SafetensorsReader([read_header(path)])
+
+
+def read_chunks(
+    path: Path,
+    offset: int,
+    nbytes: int,
+    chunk: int = CHUNK_BYTES,
+    *,
+    error: type[YafsdpError] = SourceError,
+    what: str = "early",
+) -> Iterator[memoryview]:
+    """``nbytes`` bytes of ``path`` from ``offset`` with plain reads into one reused
+    buffer; each chunk is valid until the next. A short file raises ``error``."""
+    if nbytes <= 0:
+        return
+    buf = bytearray(min(chunk, nbytes))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while nbytes:
+            n = f.readinto(view[: min(nbytes, len(buf))])
+            if not n:
+                raise error(f"{path}: ended {what} (truncated file)")
+            nbytes -= n
+            yield view[:n]
