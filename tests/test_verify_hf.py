@@ -15,49 +15,18 @@ from yafsdp_cli.verify import VerifyOptions, verify_model
 from yafsdp_cli.verify_dist import run_world
 
 tf = pytest.importorskip("transformers")
+from hf_models import CLASSES, VOCAB, tiny_model  # noqa: E402
+
 pytestmark = pytest.mark.hf
 runner = CliRunner()
-VOCAB = 96
 
-CONFIGS = {
-    "gpt2": lambda: tf.GPT2LMHeadModel(
-        tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16)
-    ),
-    "t5": lambda: tf.T5ForConditionalGeneration(
-        tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
-    ),
-    "llama": lambda: tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).to(torch.bfloat16),
-    "mixtral": lambda: tf.MixtralForCausalLM(
-        tf.MixtralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-    ),
-    "bert": lambda: tf.BertForMaskedLM(
-        tf.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        )
-    ),
-}
+
+def _tiny(name: str):
+    model = tiny_model(name)
+    return model.to(torch.bfloat16) if name == "llama" else model
+
+
+CONFIGS = {name: (lambda name=name: _tiny(name)) for name in CLASSES}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from ..errors import YafsdpError
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+FORMATS = ("table", "json", "markdown")
 
 stdout = Console(highlight=False, soft_wrap=False)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -53,6 +54,14 @@ def errors_to_exit() -> Iterator[None]:
             traceback.print_exc(file=sys.stderr)
         hint = "" if State.debug else " (rerun with --debug for the traceback)"
         raise fail(_escape(f"internal error: {type(exc).__name__}: {exc}{hint}")) from None
+
+
+def check_format(fmt: str, json_out: bool) -> str:
+    """``--format`` checked; ``--json`` wins."""
+    fmt = "json" if json_out else fmt
+    if fmt not in FORMATS:
+        raise YafsdpError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
+    return fmt
 
 
 def _escape(text: str) -> str:

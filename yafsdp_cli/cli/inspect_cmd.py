@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from ..errors import YafsdpError
 from .app import app
 from .common import (
     AlignOpt,
@@ -18,11 +17,10 @@ from .common import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    check_format,
     errors_to_exit,
     stdout,
 )
-
-FORMATS = ("table", "json", "markdown")
 
 
 @app.command("inspect")
@@ -77,9 +75,7 @@ def inspect_command(
 ) -> None:
     """Flat-buffer layout and per-rank memory report, baseline vs flat."""
     with errors_to_exit():
-        fmt = "json" if json_out else fmt
-        if fmt not in FORMATS:
-            raise YafsdpError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
+        fmt = check_format(fmt, json_out)
         from ..inspect import inspect_model
         from ..sources import load_source
 

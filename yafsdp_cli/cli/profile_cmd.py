@@ -17,6 +17,7 @@ from .common import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    check_format,
     errors_to_exit,
     stdout,
 )
@@ -29,7 +30,6 @@ from .verify_cmd import (
     SeedOpt,
     SeqLenOpt,
     SourceArg,
-    check_format,
     parse_shape,
 )
 

@@ -20,11 +20,10 @@ from .common import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    check_format,
     errors_to_exit,
     stdout,
 )
-
-FORMATS = ("table", "json", "markdown")
 
 SourceArg = Annotated[
     str | None,
@@ -64,13 +63,6 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     if not shape or any(d < 1 for d in shape):
         raise YafsdpError(f"--input-shape {text!r} is not positive integers like 2,3,32,32")
     return shape
-
-
-def check_format(fmt: str, json_out: bool) -> str:
-    fmt = "json" if json_out else fmt
-    if fmt not in FORMATS:
-        raise YafsdpError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
-    return fmt
 
 
 @app.command("verify")

@@ -6,12 +6,9 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rich.table import Table
-
-OutputFormat = Literal["table", "json", "markdown"]
-FORMATS = ("table", "json", "markdown")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 

@@ -6,8 +6,8 @@ Nothing is computed here beyond differences of figures the report holds.
 from __future__ import annotations
 
 from ..profiling import CATEGORIES, SCHEMA, ProfileReport, StepProfile
-from .common import human_bytes, json_document, markdown_table
-from .verify import Section, rich_sections
+from .common import human_bytes, json_document
+from .verify import Section, markdown_sections, rich_sections
 
 LABELS = {
     "parameters": "parameters",
@@ -188,15 +188,7 @@ def verdict(report: ProfileReport) -> str:
 
 
 def to_markdown(report: ProfileReport) -> str:
-    parts = [f"**{verdict(report)}**", ""]
-    for s in sections(report):
-        parts.append(f"### {s.title}\n")
-        parts.append(markdown_table(s.headers, s.rows))
-        if s.caption:
-            parts.append(f"\n_{s.caption}_")
-        parts.append("")
-    parts += [f"- {n}" for n in report.notes]
-    return "\n".join(parts) + "\n"
+    return markdown_sections(sections(report), report.notes, verdict(report))
 
 
 def to_rich(report: ProfileReport) -> list:

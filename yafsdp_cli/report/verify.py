@@ -147,14 +147,19 @@ def _num(x: float) -> str:
 
 
 def to_markdown(report: VerifyReport) -> str:
-    parts = [f"**{verdict(report)}**", ""]
-    for s in sections(report):
+    return markdown_sections(sections(report), report.notes, verdict(report))
+
+
+def markdown_sections(items: Sequence[Section], notes: Sequence[str], first: str) -> str:
+    """A bold verdict, then each section as a heading, a table and its caption."""
+    parts = [f"**{first}**", ""]
+    for s in items:
         parts.append(f"### {s.title}\n")
         parts.append(markdown_table(s.headers, s.rows))
         if s.caption:
             parts.append(f"\n_{s.caption}_")
         parts.append("")
-    parts += [f"- {n}" for n in report.notes]
+    parts += [f"- {n}" for n in notes]
     return "\n".join(parts) + "\n"
 
 
