@@ -12,7 +12,26 @@ from .app import app
 
 
 def main() -> None:
-    app()
+    """The console script: usage errors become one line on stderr and exit 2."""
+    import sys
+
+    import typer
+
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        sys.stderr.write("error: interrupted\n")
+        code = 130
+    except typer.TyperException as exc:  # Typer's (vendored click's) usage errors
+        if not hasattr(exc, "format_message"):
+            raise
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "yafsdp"
+        message = exc.format_message()
+        if message:  # empty when the help was shown for a bare `yafsdp`
+            sys.stderr.write(f"error: {message} (see '{where} --help')\n")
+        code = getattr(exc, "exit_code", 2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 __all__ = ["app", "main"]
