@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,40 @@ def rich_table(
     for r in rows:
         table.add_row(*(str(v) for v in r))
     return table
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One table of a report: a title, headers, rows, right-aligned columns, a caption."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    right: tuple[int, ...] = ()  # right-aligned columns
+    caption: str = ""
+
+
+def section_table(s: Section) -> Table:
+    """A Rich table of ``s``; cells are Text, not markup (names hold brackets)."""
+    from rich.text import Text
+
+    table = Table(
+        title=Text(s.title, style="bold"),
+        title_justify="left",
+        header_style="bold",
+        caption=Text(s.caption) if s.caption else None,
+        caption_justify="left",
+        show_header=any(s.headers),
+    )
+    for i, h in enumerate(s.headers):
+        table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
+    for row in s.rows:
+        table.add_row(*(Text(cell) for cell in row))
+    return table
+
+
+def section_markdown(s: Section, escape=lambda t: t) -> str:
+    """``### title``, the table, and the caption in italics."""
+    headers = s.headers if any(s.headers) else ("",) * max((len(r) for r in s.rows), default=1)
+    text = f"### {escape(s.title)}\n\n{markdown_table(headers, s.rows)}"
+    return text + (f"\n\n_{escape(s.caption)}_" if s.caption else "") + "\n"

@@ -9,11 +9,18 @@ shown once for all of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .. import dtypes
 from ..inspect import SCHEMA, BufferInfo, InspectReport, shard_rows
-from .common import human_bytes, human_count, json_document, markdown_table, plain
+from .common import (
+    Section,
+    human_bytes,
+    human_count,
+    json_document,
+    plain,
+    section_markdown,
+    section_table,
+)
 
 ENTRY_HEAD, ENTRY_TAIL = 16, 4  # rows shown of a folded buffer table
 RANK_HEAD, RANK_TAIL = 4, 2  # ranks shown of a folded shard map
@@ -25,17 +32,6 @@ SCHEME_HEADERS = {
     "zero3": "ZeRO-3*",
     "fsdp": "FSDP*",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Section:
-    """One table of the report: a title, headers, rows and a caption."""
-
-    title: str
-    headers: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    right: tuple[int, ...] = ()  # right-aligned columns
-    caption: str = ""
 
 
 # ---------------------------------------------------------------- JSON
@@ -263,14 +259,7 @@ def _percent(part: int, whole: int) -> str:
 
 
 def to_markdown(report: InspectReport, *, show_all: bool = False) -> str:
-    parts = []
-    for s in sections(report, show_all=show_all):
-        parts.append(f"### {_md_escape(s.title)}\n")
-        headers = s.headers if any(s.headers) else ("", "")
-        parts.append(markdown_table(headers, s.rows))
-        if s.caption:
-            parts.append(f"\n_{_md_escape(s.caption)}_")
-        parts.append("")
+    parts = [section_markdown(s, _md_escape) for s in sections(report, show_all=show_all)]
     parts.append("### Notes and assumptions\n")
     parts += [f"- {line}" for line in notes(report)]
     return "\n".join(parts) + "\n"
@@ -283,25 +272,9 @@ def _md_escape(text: str) -> str:
 
 def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
     """Rich renderables, in order, for a console to print."""
-    from rich.table import Table
     from rich.text import Text
 
-    out: list = []
-    for s in sections(report, show_all=show_all):
-        # Text objects, not strings: names and slices hold brackets Rich would read as markup.
-        table = Table(
-            title=Text(s.title, style="bold"),
-            title_justify="left",
-            header_style="bold",
-            caption=Text(s.caption) if s.caption else None,
-            caption_justify="left",
-            show_header=any(s.headers),
-        )
-        for i, h in enumerate(s.headers):
-            table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
-        for row in s.rows:
-            table.add_row(*(Text(cell) for cell in row))
-        out.append(table)
+    out: list = [section_table(s) for s in sections(report, show_all=show_all)]
     text = Text("Notes and assumptions\n", style="bold")
     for line in notes(report):
         text.append(f"- {line}\n")

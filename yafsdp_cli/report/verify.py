@@ -8,23 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..verify import TensorDiff, VerifyReport
-from .common import human_bytes, json_document, markdown_table, plain
+from .common import Section, human_bytes, json_document, plain, section_markdown, section_table
 
 SCHEMA = "yafsdp.verify/1"
-
-
-@dataclass(frozen=True, slots=True)
-class Section:
-    """One table: a title, headers, rows, right-aligned columns and a caption."""
-
-    title: str
-    headers: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    right: tuple[int, ...] = ()
-    caption: str = ""
 
 
 def to_json(report: VerifyReport) -> str:
@@ -152,13 +140,7 @@ def to_markdown(report: VerifyReport) -> str:
 
 def markdown_sections(items: Sequence[Section], notes: Sequence[str], first: str) -> str:
     """A bold verdict, then each section as a heading, a table and its caption."""
-    parts = [f"**{first}**", ""]
-    for s in items:
-        parts.append(f"### {s.title}\n")
-        parts.append(markdown_table(s.headers, s.rows))
-        if s.caption:
-            parts.append(f"\n_{s.caption}_")
-        parts.append("")
+    parts = [f"**{first}**", "", *(section_markdown(s) for s in items)]
     parts += [f"- {n}" for n in notes]
     return "\n".join(parts) + "\n"
 
@@ -169,24 +151,9 @@ def to_rich(report: VerifyReport) -> list:
 
 def rich_sections(items: Sequence[Section], notes: Sequence[str], last: str, ok: bool) -> list:
     """Rich tables for ``items``, then the notes, then ``last`` (green or red)."""
-    from rich.table import Table
     from rich.text import Text
 
-    out: list = []
-    for s in items:
-        table = Table(
-            title=Text(s.title, style="bold"),
-            title_justify="left",
-            header_style="bold",
-            caption=Text(s.caption) if s.caption else None,
-            caption_justify="left",
-            show_header=any(s.headers),
-        )
-        for i, h in enumerate(s.headers):
-            table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
-        for row in s.rows:
-            table.add_row(*(Text(cell) for cell in row))
-        out.append(table)
+    out: list = [section_table(s) for s in items]
     for n in notes:
         out.append(Text(f"note: {n}"))
     out.append(Text(last, style="bold green" if ok else "bold red"))
