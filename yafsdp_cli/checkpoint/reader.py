@@ -16,9 +16,10 @@ from pathlib import Path
 
 from .. import dtypes
 from ..errors import CheckpointError
+from ..fileio import read_chunks as _read_file_chunks
+from ..fileio import read_json
 from ..layout import BufferLayout, Layout
 from ..sources.safetensors_file import StHeader, read_header
-from ..sources.safetensors_file import read_chunks as _read_file_chunks
 from .engine import file_slots
 from .format import (
     FORMAT_VERSION,
@@ -304,12 +305,7 @@ def _check_replicas(index_path: Path, layout: Layout, files) -> None:
 
 
 def _read_index(path: Path) -> dict:
-    try:
-        index = json.loads(path.read_text())
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    index = read_json(path, error=CheckpointError)
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise CheckpointError(
             f"{path} is not a yafsdp sharded-checkpoint index (no 'format': {INDEX_FORMAT!r})"

@@ -24,13 +24,13 @@ extra; a config-only folder is an error naming it. Code shipped in the folder
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SourceError
+from ..fileio import read_json
 from ..records import ModelSpec
 from . import LoadedModel, weights_in_folder
 from .hf_readers import PretrainedReader, RenamedReader
@@ -70,12 +70,7 @@ def load_hf_folder(path: Path, *, trust_pickle: bool = False) -> LoadedModel:
 
 
 def read_config(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc})") from None
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise SourceError(f"{path}: not a JSON object; is this a Hugging Face config?")
     return raw

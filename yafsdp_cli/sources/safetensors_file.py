@@ -23,9 +23,9 @@ from pathlib import Path
 
 from .. import dtypes
 from ..errors import SourceError, YafsdpError
+from ..fileio import CHUNK_BYTES, read_chunks, read_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
-CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +146,7 @@ def _entry(path: Path, name: str, info, data_start: int) -> StEntry:
 
 def read_index(path: Path) -> list[StHeader]:
     """The headers of a sharded set named by ``*.safetensors.index.json``."""
-    try:
-        index = json.loads(path.read_text())
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc})") from None
+    index = read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a safetensors index?")
@@ -231,28 +226,3 @@ def open_safetensors(path: Path) -> SafetensorsReader:
     if path.name.endswith(".index.json"):
         return SafetensorsReader(read_index(path))
     return SafetensorsReader([read_header(path)])
-
-
-def read_chunks(
-    path: Path,
-    offset: int,
-    nbytes: int,
-    chunk: int = CHUNK_BYTES,
-    *,
-    error: type[YafsdpError] = SourceError,
-    what: str = "early",
-) -> Iterator[memoryview]:
-    """``nbytes`` bytes of ``path`` from ``offset`` with plain reads into one reused
-    buffer; each chunk is valid until the next. A short file raises ``error``."""
-    if nbytes <= 0:
-        return
-    buf = bytearray(min(chunk, nbytes))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while nbytes:
-            n = f.readinto(view[: min(nbytes, len(buf))])
-            if not n:
-                raise error(f"{path}: ended {what} (truncated file)")
-            nbytes -= n
-            yield view[:n]

@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import dtypes
 from ..errors import SourceError
+from ..fileio import read_json
 
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
 _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
@@ -113,14 +114,7 @@ def find_state_dict(obj: object, path: Path) -> tuple[dict[str, torch.Tensor], l
 def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a sharded ``pytorch_model.bin.index.json`` set, each shard loaded
     with ``weights_only=True`` and mmap; the weight_map must match the shards."""
-    import json
-
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc})") from None
+    index = read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a checkpoint index?")
