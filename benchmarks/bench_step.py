@@ -61,7 +61,7 @@ def bench_model():
 
 
 def _step(model, opt, ids, seed) -> float:
-    from yafsdp_cli.step import step_loss
+    from yafsdp_cli.engine.step import step_loss
 
     start = time.perf_counter()
     step_loss(model(ids), seed).backward()
@@ -73,7 +73,7 @@ def _step(model, opt, ids, seed) -> float:
 def paired_times(impl: str, pairs: int = PAIRS) -> tuple[float, float, float]:
     """(median original s, median converted s, median of the per-pair ratios)."""
     from yafsdp_cli import convert_module, plan, spec_from_module
-    from yafsdp_cli.step import make_optimizer
+    from yafsdp_cli.engine.step import make_optimizer
 
     original = bench_model()
     converted = copy.deepcopy(original)
@@ -98,8 +98,8 @@ def paired_times(impl: str, pairs: int = PAIRS) -> tuple[float, float, float]:
 
 
 def peaks(impl: str, units) -> tuple[int, int]:
+    from yafsdp_cli.engine.records import ModelSpec
     from yafsdp_cli.profiling import ProfileOptions, profile_model
-    from yafsdp_cli.records import ModelSpec
     from yafsdp_cli.sources import LoadedModel
 
     class _Loaded(LoadedModel):

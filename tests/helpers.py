@@ -9,7 +9,7 @@ from torch import nn
 
 from sample_models.models import FACTORIES
 from yafsdp_cli import convert_module, plan, spec_from_module
-from yafsdp_cli.inputs import make_input, projection_loss
+from yafsdp_cli.engine.inputs import make_input, projection_loss
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

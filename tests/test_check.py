@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from yafsdp_cli.check import compare
 from yafsdp_cli.cli import app
+from yafsdp_cli.gate.check import compare
 
 runner = CliRunner()
 

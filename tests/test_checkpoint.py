@@ -252,7 +252,8 @@ def test_convert_of_safetensors_does_not_import_torch(tmp_path):
 
 
 def test_verify_runs_the_model_check_with_an_architecture(tmp_path):
-    pytest.importorskip("yafsdp_cli.verify")
+    from yafsdp_cli.verify import model_check
+
     flat = tmp_path / "flat.safetensors"
     result = convert_checkpoint(
         sample("gpt.safetensors"),
@@ -261,19 +262,21 @@ def test_verify_runs_the_model_check_with_an_architecture(tmp_path):
         filters=["linear"],
         world_size=2,
         verify=True,
+        model_check=model_check,
     )
     assert result.verify.ok and result.verify.model_ok is True, result.verify
     assert result.verify.model_check.startswith("passed")
-    bare = convert_checkpoint(sample("gpt.safetensors"), tmp_path / "b.safetensors", verify=True)
+    bare = convert_checkpoint(
+        sample("gpt.safetensors"), tmp_path / "b.safetensors", verify=True, model_check=model_check
+    )
     assert bare.verify.ok and bare.verify.model_ok is None
     assert "no architecture" in bare.verify.model_check
 
 
-def test_failed_model_check_writes_nothing(tmp_path, monkeypatch):
-    from yafsdp_cli.checkpoint import convert as convert_mod
-
-    monkeypatch.setattr(convert_mod, "model_check", lambda loaded, sel: (False, "FAILED: 3"))
+def test_failed_model_check_writes_nothing(tmp_path):
     out = tmp_path / "flat.safetensors"
-    result = convert_checkpoint(sample("mlp.safetensors"), out, verify=True)
+    result = convert_checkpoint(
+        sample("mlp.safetensors"), out, verify=True, model_check=lambda loaded, sel: (False, "3")
+    )
     assert not result.written and result.verify.mismatches == ()
     assert list(tmp_path.iterdir()) == []

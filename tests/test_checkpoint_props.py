@@ -92,8 +92,9 @@ shapes = st.lists(st.lists(st.integers(0, 6), max_size=2).map(tuple), min_size=1
 def test_padding_ranges_cover_exactly_the_bytes_no_entry_covers(
     shapes, dtype, world_size, align, sharded
 ):
-    from yafsdp_cli import ModelSpec, TensorRecord, dtypes, plan
+    from yafsdp_cli import ModelSpec, TensorRecord, plan
     from yafsdp_cli.checkpoint.reader import _padding
+    from yafsdp_cli.engine import dtypes
 
     spec = ModelSpec(
         tuple(TensorRecord(f"p{i}", s, dtype) for i, s in enumerate(shapes)),

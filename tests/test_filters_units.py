@@ -6,8 +6,8 @@ import pytest
 from helpers import build
 
 from yafsdp_cli import FilterError, ModelSpec, TensorRecord, plan, spec_from_module
-from yafsdp_cli.filters import select
-from yafsdp_cli.units import assign_units, detect_units_from_names, resolve_unit_globs
+from yafsdp_cli.engine.filters import select
+from yafsdp_cli.engine.units import assign_units, detect_units_from_names, resolve_unit_globs
 
 
 def names(records):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from yafsdp_cli import ConversionError, convert_module, plan, spec_from_module
-from yafsdp_cli.flat import HOLDER
+from yafsdp_cli.engine.flat import HOLDER
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

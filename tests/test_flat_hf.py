@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from yafsdp_cli import TensorRecord, convert_module, plan, spec_from_module
-from yafsdp_cli.inputs import projection_loss
-from yafsdp_cli.units import detect_units_from_names
+from yafsdp_cli.engine.inputs import projection_loss
+from yafsdp_cli.engine.units import detect_units_from_names
 
 tf = pytest.importorskip("transformers")
 from hf_models import VOCAB, tiny_model  # noqa: E402

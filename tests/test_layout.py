@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yafsdp_cli import LayoutError, ModelSpec, TensorRecord, YafsdpError, parse_align, plan
-from yafsdp_cli.layout import check_layout, plan_layout
-from yafsdp_cli.units import assign_units
+from yafsdp_cli.engine.layout import check_layout, plan_layout
+from yafsdp_cli.engine.units import assign_units
 
 FLOATS = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn")
 
@@ -162,7 +162,7 @@ def test_buffers_split_by_dtype_and_keep_non_selected_tensors():
 def test_layout_round_trips_through_json_and_refuses_malformed():
     import json
 
-    from yafsdp_cli.layout import layout_from_dict, layout_to_dict
+    from yafsdp_cli.engine.layout import layout_from_dict, layout_to_dict
 
     spec = ModelSpec(
         (

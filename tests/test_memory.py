@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from yafsdp_cli import ModelSpec, TensorRecord, YafsdpError, plan
-from yafsdp_cli.memory import MemoryConfig, assumptions, estimate_memory
+from yafsdp_cli.memory.model import MemoryConfig, assumptions, estimate_memory
 
 BF16_NUMEL = 1024 + 2 * 4096  # 9216
 FP32_NUMEL = 64
@@ -177,7 +177,7 @@ def test_flat_persistent_matches_a_converted_model_after_an_adamw_step():
 
     from tests.helpers import build
     from yafsdp_cli import convert_module, spec_from_module
-    from yafsdp_cli.inputs import make_input, projection_loss
+    from yafsdp_cli.engine.inputs import make_input, projection_loss
 
     model = build("gpt")
     layout = plan(spec_from_module(model))

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tests.helpers import build
 from yafsdp_cli import SourceError
 from yafsdp_cli.cli import app
-from yafsdp_cli.inputs import make_input, projection_loss
+from yafsdp_cli.engine.inputs import make_input, projection_loss
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()

@@ -10,20 +10,21 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-import yafsdp_cli.flat as flat_engine
+import yafsdp_cli.engine.flat as flat_engine
+import yafsdp_cli.verify.single as verify_single
 from yafsdp_cli import YafsdpError
 from yafsdp_cli.cli import app
-from yafsdp_cli.module_spec import spec_from_module
-from yafsdp_cli.plan import plan
+from yafsdp_cli.engine.module_spec import spec_from_module
+from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.verify import (
+from yafsdp_cli.verify.common import (
     Tolerance,
     VerifyOptions,
     diff_tensors,
     held_bytes,
     resolve_tolerances,
-    verify_model,
 )
+from yafsdp_cli.verify.run import verify_model
 
 runner = CliRunner()
 EXACT = {"float32": Tolerance("float32", 0.0, 0.0), "bfloat16": Tolerance("bfloat16", 0, 0)}
@@ -70,7 +71,7 @@ def _split_tie(monkeypatch):
         module.lm_head.weight = nn.Parameter(module.transformer["wte"].weight.detach().clone())
         return real(module, plan(spec_from_module(module)))
 
-    monkeypatch.setattr(flat_engine, "convert_module", convert)
+    monkeypatch.setattr(verify_single, "convert_module", convert)
 
 
 def test_a_split_tie_fails_and_names_the_tensor(monkeypatch):
@@ -97,7 +98,7 @@ def test_a_corrupted_gradient_fails_through_the_cli_with_exit_1(monkeypatch):
         buf.accumulate = accumulate
         return flat
 
-    monkeypatch.setattr(flat_engine, "convert_module", convert)
+    monkeypatch.setattr(verify_single, "convert_module", convert)
     result = runner.invoke(app, ["verify", "--model", "sample_models.models:mlp"])
     assert result.exit_code == 1, result.output
     assert "MISMATCH" in result.output and "net.4.bias" in result.output

@@ -8,11 +8,11 @@ import torch
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
+from yafsdp_cli.engine.step import make_batch
 from yafsdp_cli.profiling import ProfileOptions, profile_source
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.step import make_batch
 from yafsdp_cli.verify import VerifyOptions, verify_model
-from yafsdp_cli.verify_dist import run_world
+from yafsdp_cli.verify.dist import run_world
 
 tf = pytest.importorskip("transformers")
 from hf_models import CLASSES, VOCAB, tiny_model  # noqa: E402

@@ -12,6 +12,9 @@ torch (``convert_module``, ``spec_from_module``...) load it on first use.
 
 from __future__ import annotations
 
+from .engine.layout import AlignSpec, BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
+from .engine.plan import plan
+from .engine.records import ModelSpec, TensorRecord
 from .errors import (
     CheckpointError,
     ConversionError,
@@ -20,16 +23,13 @@ from .errors import (
     SourceError,
     YafsdpError,
 )
-from .layout import AlignSpec, BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
-from .plan import plan
-from .records import ModelSpec, TensorRecord
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "convert_module": "flat",
-    "FlatModel": "flat",
-    "spec_from_module": "module_spec",
+    "convert_module": "engine.flat",
+    "FlatModel": "engine.flat",
+    "spec_from_module": "engine.module_spec",
 }
 
 

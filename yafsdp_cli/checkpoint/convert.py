@@ -7,20 +7,23 @@ even imported) and written in order; the model is never held in memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import dtypes
-from ..errors import CheckpointError, SourceError, YafsdpError
-from ..layout import BufferLayout, Layout
-from ..plan import plan
+from ..engine import dtypes
+from ..engine.layout import BufferLayout, Layout
+from ..engine.plan import plan
+from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
 from .engine import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
 from .writer import check_flat_name, check_output, staged_output
+
+# (loaded, selection) -> (passed, or None when not run; what happened)
+ModelCheck = Callable[[LoadedModel, dict], tuple[bool | None, str]]
 
 
 def convert_checkpoint(
@@ -37,6 +40,7 @@ def convert_checkpoint(
     sharded: bool = False,
     force: bool = False,
     verify: bool = False,
+    model_check: ModelCheck | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Load ``source`` (and/or ``--model``), plan its layout and write the checkpoint.
@@ -70,6 +74,7 @@ def convert_checkpoint(
         sharded=sharded,
         force=force,
         verify=verify,
+        model_check=model_check,
         progress=progress,
         selection=selection,
     )
@@ -91,14 +96,16 @@ def write_converted(
     sharded: bool = False,
     force: bool = False,
     verify: bool = False,
+    model_check: ModelCheck | None = None,
     progress: Progress | None = None,
     selection: dict | None = None,
 ) -> ConvertResult:
     """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``.
 
-    ``selection`` (filters, excludes, units, align as given to ``plan``) is what
-    ``verify``'s forward/backward check converts with; without it that check is
-    skipped."""
+    With ``verify`` the written file is read back and compared with the source;
+    ``model_check(loaded, selection)`` (``yafsdp_cli.verify.model_check`` from the
+    CLI) then runs the forward/backward check on ``selection`` (filters, excludes,
+    units, align as given to ``plan``). A failed check leaves nothing written."""
     check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
@@ -117,7 +124,11 @@ def write_converted(
             final=out,
         )
         bytes_read = reads.total
-        check = round_trip(loaded, layout, staged.temp, progress, selection) if verify else None
+        check = (
+            round_trip(loaded, layout, staged.temp, progress, selection, model_check)
+            if verify
+            else None
+        )
         staged.keep = check is None or check.ok
     return ConvertResult(
         source=loaded.spec.source,
@@ -195,10 +206,11 @@ def round_trip(
     written: Path,
     progress: Progress | None,
     selection: dict | None = None,
+    model_check: ModelCheck | None = None,
 ) -> RoundTrip:
     """Open what was written like ``restore`` does (structure, checksums, padding),
     compare every tensor's bytes with the source's, then (with an architecture)
-    run ``yafsdp verify``'s forward/backward check on the same selection."""
+    run ``model_check`` (``yafsdp verify``'s check) on the same selection."""
     ckpt = open_flat(written)
     ckpt.verify(progress)
     mismatches = [] if ckpt.layout == layout else ["layout"]
@@ -218,7 +230,12 @@ def round_trip(
             mismatches.append(t.name)
         count, compared = count + 1, compared + t.nbytes
         _tick(progress, compared, total)
-    model_ok, model_text = model_check(loaded, selection)
+    if model_check is None:
+        model_ok, model_text = None, "not run: no model check given"
+    elif selection is None:
+        model_ok, model_text = None, "not run: no selection to convert with"
+    else:
+        model_ok, model_text = model_check(loaded, selection)
     return RoundTrip(
         ok=not mismatches and model_ok is not False,
         tensors=count,
@@ -255,31 +272,3 @@ def equal_streams(a, b) -> bool:
 def _next(it):
     chunk = next(it, None)
     return None if chunk is None else memoryview(chunk).cast("B")
-
-
-def model_check(loaded: LoadedModel, selection: dict | None) -> tuple[bool | None, str]:
-    """``yafsdp verify``'s single-process check of the original against the model
-    converted with the same selection and alignment: (passed or None, what happened).
-
-    The byte round trip shows the file holds the source's tensors; this shows the
-    converted model computes the same outputs, gradients and optimizer step."""
-    if selection is None:
-        return None, "not run: no selection to convert with"
-    if not loaded.spec.has_architecture:
-        return None, (
-            "not run: no architecture (give --model package.module:factory or a Hugging "
-            "Face folder)"
-        )
-    try:
-        from ..verify import VerifyOptions, verify_model
-
-        opts = VerifyOptions(**selection)
-    except (ImportError, TypeError):
-        return None, "not run: the forward/backward check is not available in this build"
-    try:
-        report = verify_model(loaded, opts)
-    except YafsdpError as exc:
-        return None, f"not run: {exc}"
-    if report.ok:
-        return True, f"passed ({report.compared} comparisons over {report.steps} steps)"
-    return False, f"FAILED: {report.failures} of {report.compared} comparisons out of tolerance"

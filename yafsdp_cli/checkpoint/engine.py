@@ -18,10 +18,10 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
+from ..engine.layout import BufferLayout, Layout
+from ..engine.records import TensorRecord
 from ..errors import CheckpointError
-from ..layout import BufferLayout, Layout
-from ..records import TensorRecord
 from .format import (
     CHECKSUM_ALGO,
     FORMAT_VERSION,

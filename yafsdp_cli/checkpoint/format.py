@@ -30,9 +30,9 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import dtypes
+from ..engine import dtypes
+from ..engine.layout import Layout, layout_from_dict, layout_to_dict
 from ..errors import CheckpointError
-from ..layout import Layout, layout_from_dict, layout_to_dict
 
 FORMAT_VERSION = 1
 KIND_FLAT = "flat"

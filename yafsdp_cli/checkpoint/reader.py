@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
+from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
-from ..layout import BufferLayout, Layout
 from ..sources.safetensors_file import StHeader, read_header
 from .engine import file_slots
 from .format import (

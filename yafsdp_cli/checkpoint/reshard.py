@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
+from ..engine.layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from ..errors import CheckpointError
-from ..layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from .engine import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
 from ..errors import CheckpointError
 from .engine import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot, data_order

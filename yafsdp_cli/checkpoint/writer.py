@@ -23,7 +23,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
 from ..errors import CheckpointError
 from .format import INDEX_NAME, KEY_CHECKSUMS, STREAM_CHUNK, Checksum, TensorSlot, placeholder
 

@@ -80,8 +80,8 @@ def check_command(
         "optimizer": optimizer,
     }
     with errors_to_exit():
-        from ..check import baseline_inputs, compare, load_baseline
-        from ..inspect import inspect_model
+        from ..gate.check import baseline_inputs, compare, load_baseline
+        from ..inspect.build import inspect_model
         from ..report import inspect as inspect_view
         from ..sources import load_source
 

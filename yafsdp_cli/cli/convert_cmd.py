@@ -150,6 +150,7 @@ def convert_command(
                 sharded=sharded,
                 force=force,
                 verify=verify,
+                model_check=_model_check if verify else None,
                 progress=bar,
             )
         if json_out:
@@ -213,3 +214,10 @@ def reshard_command(
             sys.stdout.write(view.reshard_json(result) + "\n")
         else:
             _print(view.reshard_view(result))
+
+
+def _model_check(loaded, selection: dict):
+    """verify's forward/backward check, imported only when --verify asks for it."""
+    from ..verify import model_check
+
+    return model_check(loaded, selection)

@@ -76,7 +76,7 @@ def inspect_command(
     """Flat-buffer layout and per-rank memory report, baseline vs flat."""
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
-        from ..inspect import inspect_model
+        from ..inspect.build import inspect_model
         from ..sources import load_source
 
         loaded = load_source(source, model=model, trust_pickle=trust_pickle)

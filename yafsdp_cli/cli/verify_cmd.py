@@ -109,7 +109,7 @@ def verify_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         from ..verify import VerifyOptions, verify_source
-        from ..verify_dist import is_primary
+        from ..verify.dist import is_primary
 
         opts = VerifyOptions(
             steps=steps,

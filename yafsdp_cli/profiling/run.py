@@ -20,13 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import dtypes
-from ..errors import YafsdpError
-from ..flat import HOLDER, convert_module
-from ..module_spec import collect_tensors, spec_from_module
-from ..plan import plan
-from ..sharded import LocalComm, ShardedFlat
-from ..step import (
+from ..engine import dtypes
+from ..engine.flat import HOLDER, convert_module
+from ..engine.module_spec import collect_tensors, spec_from_module
+from ..engine.plan import plan
+from ..engine.sharded import LocalComm, ShardedFlat
+from ..engine.step import (
     Batch,
     check_optimizer,
     make_batch,
@@ -35,6 +34,7 @@ from ..step import (
     run_forward,
     step_loss,
 )
+from ..errors import YafsdpError
 from .tracker import Breakdown, ModuleMemory, StorageTracker
 
 SCHEMA = "yafsdp.profile/1"

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary, weakref
 
-from ..layout import round_up
+from ..engine.layout import round_up
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ..check import SCHEMA, CheckReport, MetricCheck
+from ..gate.check import SCHEMA, CheckReport, MetricCheck
 from .common import human_bytes, json_document, markdown_table, rich_table
 
 HEADERS = ("figure", "baseline", "current", "change", "")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .. import dtypes
-from ..inspect import SCHEMA, BufferInfo, InspectReport, shard_rows
+from ..engine import dtypes
+from ..inspect.build import SCHEMA, BufferInfo, InspectReport, shard_rows
 from .common import (
     Section,
     human_bytes,

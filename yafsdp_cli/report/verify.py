@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..verify import TensorDiff, VerifyReport
+from ..verify.common import TensorDiff, VerifyReport
 from .common import Section, human_bytes, json_document, plain, section_markdown, section_table
 
 SCHEMA = "yafsdp.verify/1"

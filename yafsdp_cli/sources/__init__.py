@@ -10,245 +10,27 @@ Source kinds: ``*.safetensors`` and ``*.safetensors.index.json`` (header only, n
 torch import), ``*.pt/.pth/.bin`` state dicts, pickled modules (``--trust-pickle``),
 Hugging Face folders (``config.json``; the ``hf`` extra), ``--model module:factory``
 with or without weights, and ``torch.export`` programs (``*.pt2``).
+
+Rooms: ``model`` (``LoadedModel``), ``files`` (weight files by kind), ``load``
+(``load_source``), ``hf`` (Hugging Face folders), ``factory`` (``--model``),
+``export`` (``*.pt2``). This package may import ``engine``, ``errors`` and
+``fileio``; it never imports verify, profiling, checkpoint or the CLI.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Protocol
+from .files import TORCH_SUFFIXES, natural_key, spec_from_tensors, weights_in_folder, with_spec
+from .load import load_source
+from .model import NO_ARCH_NOTE, LoadedModel, TensorReader
 
-from ..errors import SourceError
-from ..records import ModelSpec, TensorRecord
-from ..units import detect_units_from_names, name_prefixes
-
-NO_ARCH_NOTE = (
-    "no architecture: every floating-point tensor counts as a parameter (module buffers "
-    "such as BatchNorm statistics included); give --model for module kinds and tied weights"
-)
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
-
-class TensorReader(Protocol):
-    """Byte access to a source's tensors (names as stored; tied names may be absent)."""
-
-    def names(self) -> list[str]: ...
-
-    def nbytes(self, name: str) -> int: ...
-
-    def iter_bytes(self, name: str, chunk: int = ...) -> Any: ...  # Iterator[memoryview]
-
-    def load(self, name: str) -> Any: ...  # torch.Tensor
-
-
-@dataclass
-class LoadedModel:
-    spec: ModelSpec
-    reader: TensorReader | None = None  # None: an architecture without weights
-    module: Any = None  # nn.Module (meta device unless the source held real weights)
-    factory: Any = None  # zero-argument callable that builds the architecture
-    path: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def stored_name(self, record: TensorRecord) -> str:
-        """The name under which the reader holds ``record`` (a tied name may be the one)."""
-        if self.reader is None:
-            raise SourceError(f"{self.spec.source or 'this source'} has no weights")
-        available = self._reader_names()
-        for n in record.names:
-            if n in available:
-                return n
-        raise SourceError(f"the weights have no tensor {record.name!r}")
-
-    def _reader_names(self) -> set[str]:
-        if "names" not in self.extra:
-            self.extra["names"] = set(self.reader.names())
-        return self.extra["names"]
-
-    def build_module(self):
-        """A real module with this source's weights (see ``factory.build_with_weights``)."""
-        from .factory import build_with_weights
-
-        return build_with_weights(self)
-
-
-def load_source(
-    source: str | Path | None,
-    *,
-    model: str | None = None,
-    trust_pickle: bool = False,
-) -> LoadedModel:
-    """Load ``source`` (a file or folder) and/or the ``model`` factory."""
-    if source is None and model is None:
-        raise SourceError("give a SOURCE file or folder, or --model package.module:factory")
-    loaded = _load_path(Path(source), trust_pickle) if source is not None else None
-    if model is None:
-        return loaded
-    from .factory import attach_factory
-
-    return attach_factory(model, loaded)
-
-
-def _load_path(path: Path, trust_pickle: bool) -> LoadedModel:
-    if not path.exists():
-        raise SourceError(f"{path}: no such file or folder")
-    if path.is_dir():
-        return _load_folder(path, trust_pickle)
-    name = path.name.lower()
-    if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
-        return load_safetensors(path)
-    if name.endswith(TORCH_SUFFIXES) or name.endswith(".index.json"):  # pytorch_model.bin sets
-        return load_torch(path, trust_pickle)
-    if name.endswith(".pt2"):
-        from .export import load_export
-
-        return load_export(path, trust_pickle)
-    return _sniff(path, trust_pickle)
-
-
-def _load_folder(path: Path, trust_pickle: bool) -> LoadedModel:
-    if (path / "config.json").is_file():
-        from .hf import load_hf_folder
-
-        return load_hf_folder(path, trust_pickle=trust_pickle)
-    weights = weights_in_folder(path)
-    if weights is None:
-        raise SourceError(f"{path}: a folder with neither config.json nor model weights")
-    return _load_path(weights, trust_pickle)
-
-
-def weights_in_folder(path: Path) -> Path | None:
-    """The usual weight files of a model folder, safetensors first."""
-    for pattern in (
-        "*.safetensors.index.json",
-        "*.safetensors",
-        "*.bin.index.json",
-        "*.bin",
-        "*.pt",
-    ):
-        found = sorted(path.glob(pattern))
-        if len(found) == 1 or (found and pattern.endswith(".index.json")):
-            return found[0]
-        if found and pattern == "*.safetensors":
-            raise SourceError(f"{path}: several safetensors files and no index; name one of them")
-    return None
-
-
-def _sniff(path: Path, trust_pickle: bool) -> LoadedModel:
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if head[:2] == b"PK" or head[:1] == b"\x80":
-        return load_torch(path, trust_pickle)
-    if len(head) == 9 and head[8:9] == b"{":
-        return load_safetensors(path)
-    raise SourceError(
-        f"{path}: unknown file type; expected .safetensors, .safetensors.index.json, "
-        ".pt/.pth/.bin, .pt2 or a model folder"
-    )
-
-
-def natural_key(name: str) -> list:
-    """``layers.10`` after ``layers.9``."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def spec_from_tensors(
-    items: list[tuple[str, tuple[int, ...], str]],
-    aliases: dict[str, list[str]],
-    *,
-    source: str,
-    source_kind: str,
-    notes: list[str],
-    metadata: dict[str, str] | None = None,
-) -> ModelSpec:
-    """A spec for tensors known only by name, shape and dtype (no architecture)."""
-    from .. import dtypes
-
-    alias_of = {a for names in aliases.values() for a in names}
-    records = tuple(
-        TensorRecord(
-            name,
-            shape,
-            dtype,
-            aliases=tuple(aliases.get(name, ())),
-            is_param=dtypes.is_floating(dtype),
-        )
-        for name, shape, dtype in items
-        if name not in alias_of
-    )
-    if aliases:
-        pairs = "; ".join(f"{k} = {', '.join(v)}" for k, v in aliases.items())
-        notes = [*notes, f"tied names found in the file: {pairs}"]
-    else:
-        notes = [*notes, "tied weights cannot be known without an architecture"]
-    all_names = [n for t in records for n in t.names]
-    return ModelSpec(
-        tensors=records,
-        has_architecture=False,
-        units=detect_units_from_names(records),
-        module_names=tuple(dict.fromkeys(p for n in all_names for p in name_prefixes(n))),
-        notes=(NO_ARCH_NOTE, *notes),
-        source=source,
-        source_kind=source_kind,
-        metadata=dict(metadata or {}),
-    )
-
-
-def load_safetensors(path: Path) -> LoadedModel:
-    from .safetensors_file import open_safetensors
-
-    reader = open_safetensors(path)
-    metadata = {k: v for h in reader.headers for k, v in h.metadata.items()}
-    entries = sorted(reader.entries.values(), key=lambda e: natural_key(e.name))
-    aliases: dict[str, list[str]] = {}
-    # safetensors.torch.save_model stores a tied tensor once and records
-    # {dropped_name: kept_name} in the metadata.
-    for dropped, kept in metadata.items():
-        if kept in reader.entries and dropped not in reader.entries and "." in dropped:
-            aliases.setdefault(kept, []).append(dropped)
-    spec = spec_from_tensors(
-        [(e.name, e.shape, e.dtype) for e in entries],
-        aliases,
-        source=str(path),
-        source_kind="safetensors",
-        notes=[],
-        metadata=metadata,
-    )
-    return LoadedModel(spec=spec, reader=reader, path=path)
-
-
-def load_torch(path: Path, trust_pickle: bool) -> LoadedModel:
-    from torch import nn
-
-    from ..module_spec import spec_from_module
-    from .torch_file import (
-        TensorDictReader,
-        find_state_dict,
-        load_torch_file,
-        load_torch_index,
-        module_tensors,
-        shared_names,
-    )
-
-    if path.name.endswith(".index.json"):
-        obj, notes = load_torch_index(path), []
-    else:
-        obj, notes = load_torch_file(path, trust_pickle=trust_pickle)
-    if isinstance(obj, nn.Module):
-        spec = spec_from_module(obj, source=str(path), source_kind="pickled module", notes=notes)
-        return LoadedModel(
-            spec=spec, reader=TensorDictReader(module_tensors(obj)), module=obj, path=path
-        )
-    tensors, more = find_state_dict(obj, path)
-    from .. import dtypes
-
-    items = [(n, tuple(t.shape), dtypes.from_torch(t.dtype)) for n, t in tensors.items()]
-    spec = spec_from_tensors(
-        items, shared_names(tensors), source=str(path), source_kind="state dict", notes=notes + more
-    )
-    return LoadedModel(spec=spec, reader=TensorDictReader(tensors), path=path)
-
-
-def with_spec(loaded: LoadedModel, spec: ModelSpec) -> LoadedModel:
-    return replace(loaded, spec=spec)
+__all__ = [
+    "NO_ARCH_NOTE",
+    "TORCH_SUFFIXES",
+    "LoadedModel",
+    "TensorReader",
+    "load_source",
+    "natural_key",
+    "spec_from_tensors",
+    "weights_in_folder",
+    "with_spec",
+]

@@ -19,13 +19,13 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+from ..engine.records import ModelSpec
+from ..engine.units import detect_units_from_names
 from ..errors import SourceError
-from ..records import ModelSpec
-from ..units import detect_units_from_names
 
 
 def load_export(path: Path, trust_pickle: bool = False):
-    from . import LoadedModel
+    from .model import LoadedModel
 
     if not trust_pickle:
         raise SourceError(
@@ -33,7 +33,7 @@ def load_export(path: Path, trust_pickle: bool = False):
             "can run code from the file. Pass --trust-pickle if you trust it"
         )
     program = _load_program(path)
-    from ..module_spec import spec_from_module
+    from ..engine.module_spec import spec_from_module
     from .torch_file import TensorDictReader, module_tensors
 
     module = program.module()

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.module_spec import spec_from_module
+from ..engine.records import ModelSpec
 from ..errors import SourceError
-from ..module_spec import collect_tensors, spec_from_module
-from ..records import ModelSpec
-from . import LoadedModel
+from .model import LoadedModel
 
 
 def resolve_factory(text: str):
@@ -137,38 +137,3 @@ def fit_weights(arch: ModelSpec, weights: ModelSpec, *, label: str) -> ModelSpec
 def _some(items: list[str], limit: int = 3) -> str:
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
-
-
-def build_with_weights(loaded: LoadedModel) -> nn.Module:
-    """A real CPU module: the pickled one, or the factory's filled with the weights."""
-    if loaded.module is not None and not _is_meta(loaded.module):
-        return loaded.module
-    if loaded.factory is None:
-        raise SourceError(
-            f"{loaded.spec.source}: running the model needs its architecture; give "
-            "--model package.module:factory (or a Hugging Face folder with config.json)"
-        )
-    torch.manual_seed(0)
-    module = loaded.factory()
-    if loaded.reader is not None:
-        load_weights(module, loaded)
-    return module
-
-
-def _is_meta(module: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
-
-
-def load_weights(module: nn.Module, loaded: LoadedModel) -> None:
-    """Copy the reader's tensors into ``module`` in place, keeping ties and taking
-    the stored dtypes."""
-    by_name = loaded.spec.by_name()
-    with torch.no_grad():
-        for item in collect_tensors(module):
-            record = by_name.get(item.names[0])
-            if record is None or not record.persistent:
-                continue
-            src = loaded.reader.load(loaded.stored_name(record))
-            if item.tensor.dtype != src.dtype:
-                item.tensor.data = item.tensor.data.to(src.dtype)
-            item.tensor.copy_(src)

@@ -23,17 +23,17 @@ extra; a config-only folder is an error naming it. Code shipped in the folder
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from ..engine.records import ModelSpec
 from ..errors import SourceError
 from ..fileio import read_json
-from ..records import ModelSpec
-from . import LoadedModel, weights_in_folder
-from .hf_readers import PretrainedReader, RenamedReader
+from .files import load_file, weights_in_folder, with_spec
+from .hf_readers import PretrainedReader, RenamedReader, quiet_transformers
+from .model import LoadedModel
 
 EXTRA = "pip install 'yafsdp-cli[hf]'"
 
@@ -51,11 +51,11 @@ def load_hf_folder(path: Path, *, trust_pickle: bool = False) -> LoadedModel:
             f"{path}: a {method} checkpoint (config.json has quantization_config); quantized "
             "weights are not supported, use the unquantized model folder"
         )
-    with _quiet_transformers():
+    with quiet_transformers():
         cfg = _config(path, trust_pickle)
         build = _builder(cfg, path, trust_pickle)
         module = _build_meta(build, path)
-    from ..module_spec import spec_from_module
+    from ..engine.module_spec import spec_from_module
 
     arch = spec_from_module(module, source=str(path), source_kind="hf")
     factory = _RealBuilder(build)
@@ -83,9 +83,7 @@ def _without_transformers(path: Path, raw: dict, weights: Path | None, trust: bo
             f"{path} holds only config.json (model_type {kind!r}); building its architecture "
             f"needs transformers: {EXTRA}"
         )
-    from . import _load_path, with_spec
-
-    loaded = _load_path(weights, trust)
+    loaded = load_file(weights, trust)
     hint = f"config.json is here but transformers is not installed: {EXTRA}"
     note = f"Hugging Face folder read as its weights alone ({hint})"
     loaded = with_spec(loaded, replace(loaded.spec, notes=(note, *loaded.spec.notes)))
@@ -102,21 +100,6 @@ class _MissingExtra:
 
     def __call__(self):
         raise SourceError(f"running this model needs its architecture: {self.hint}")
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers logs config warnings and progress bars; a report has no use for them."""
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-        logging.enable_progress_bar()
 
 
 def _config(path: Path, trust: bool):
@@ -215,7 +198,7 @@ class _RealBuilder:
         self.build = build
 
     def __call__(self):
-        with _quiet_transformers():
+        with quiet_transformers():
             return self.build()
 
 
@@ -236,10 +219,9 @@ def _build_meta(build, path: Path):
 
 
 def _with_weights(path, weights, module, arch, factory, build, trust) -> LoadedModel:
-    from . import _load_path
     from .factory import fit_weights
 
-    stored = _load_path(weights, trust)
+    stored = load_file(weights, trust)
     label = f"{type(module).__name__} from {path.name}/config.json"
     ignored = _ignored_unexpected(module, stored.spec, arch)
     renamed, mapping = _match_prefix(stored.spec, arch, _prefix(module), ignored)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,9 @@ class PretrainedReader:
 
     def _all(self) -> dict[str, Any]:
         if self._tensors is None:
-            from .hf import _quiet_transformers
             from .torch_file import TensorDictReader, module_tensors
 
-            with _quiet_transformers():
+            with quiet_transformers():
                 model = self.build.pretrained(self.path)
             self._tensors = module_tensors(model)
             self._dict = TensorDictReader(self._tensors)
@@ -57,3 +57,18 @@ class PretrainedReader:
 
     def load(self, name: str):
         return self._all()[name]
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers logs config warnings and progress bars; a report has no use for them."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        logging.enable_progress_bar()

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import dtypes
+from ..engine import dtypes
 from ..errors import SourceError, YafsdpError
 from ..fileio import CHUNK_BYTES, read_chunks, read_json
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import dtypes
+from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import read_json
 

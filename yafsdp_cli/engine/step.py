@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .errors import YafsdpError
+from ..errors import YafsdpError
 from .inputs import make_input, projection_loss
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")

@@ -40,8 +40,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..errors import LayoutError, YafsdpError
 from . import dtypes
-from .errors import LayoutError, YafsdpError
 from .records import ModelSpec, TensorRecord
 from .units import ROOT
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dtypes
+from ..engine import dtypes
 
 KINDS = ("output", "gradient", "parameter", "buffer")
 CUDA_TOLERANCE = {"float32": (1e-5, 1.3e-6), "bfloat16": (1e-5, 1.6e-2), "float16": (1e-5, 1e-3)}

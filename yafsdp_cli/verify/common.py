@@ -37,7 +37,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
@@ -46,14 +45,17 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from .errors import YafsdpError
-from .flat import HOLDER
-from .layout import Layout, round_up
-from .memory import MemoryConfig, estimate_memory
-from .module_spec import spec_from_module
-from .plan import plan
-from .step import check_optimizer, forward_backward, make_batch, make_optimizer, optimizer_tensors
-from .verify_compare import (  # noqa: F401 - the comparison is part of verify's API
+from ..engine.flat import HOLDER
+from ..engine.layout import Layout, round_up
+from ..engine.module_spec import spec_from_module
+from ..engine.plan import plan
+from ..engine.step import (
+    check_optimizer,
+    make_batch,
+)
+from ..errors import YafsdpError
+from ..memory.model import MemoryConfig, estimate_memory
+from .compare import (  # noqa: F401 - the comparison is part of verify's API
     CUDA_TOLERANCE,
     KINDS,
     Recorder,
@@ -243,96 +245,6 @@ def batch_for(module: nn.Module, opts: VerifyOptions, seed: int):
     return make_batch(
         module, batch=opts.batch, seq_len=opts.seq_len, seed=seed, input_shape=opts.input_shape
     )
-
-
-def verify_model(loaded, opts: VerifyOptions | None = None) -> VerifyReport:
-    """Verify a loaded model (``sources.load_source``) in this process.
-
-    With ``opts.world_size > 1`` this process must be one rank of a running
-    ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
-    """
-    opts = opts or VerifyOptions()
-    if opts.world_size > 1:
-        from .verify_dist import verify_this_rank
-
-        return verify_this_rank(loaded, opts)
-    return run_single(prepare(loaded, opts), opts)
-
-
-def verify_source(
-    source: str | None, *, model: str | None = None, trust_pickle: bool = False, opts=None
-) -> VerifyReport:
-    """Load ``source`` (and/or ``--model``) and verify it, on ``opts.world_size``
-    processes when that is more than one (launched here, or this process's rank
-    when started by torchrun)."""
-    from .sources import load_source
-    from .verify_dist import launched_by_torchrun, run_world, torchrun_rank
-
-    opts = opts or VerifyOptions()
-    if launched_by_torchrun():
-        return torchrun_rank(source, model, trust_pickle, opts)
-    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-    if opts.world_size == 1:
-        return verify_model(loaded, opts)
-    check_before_launch(loaded, opts)
-    return run_world([(source, model, trust_pickle, opts)])[0]
-
-
-def check_before_launch(loaded, opts: VerifyOptions) -> None:
-    """Fail here, with one clear error, on what every rank would fail on."""
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
-    if loaded.module is None and loaded.factory is None:
-        loaded.build_module()  # raises the "needs its architecture" error
-    layout = plan(
-        loaded.spec,
-        filters=opts.filters,
-        excludes=opts.excludes,
-        units=opts.units,
-        world_size=opts.world_size,
-        align=opts.align,
-    )
-    if not layout.buffers:
-        raise YafsdpError("the filters select no parameter to convert; nothing to verify")
-
-
-def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
-    original = prep.original
-    twin = copy.deepcopy(original)
-    from .flat import convert_module
-
-    flat = convert_module(twin, prep.layout)
-    rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
-    ref_opt = make_optimizer(opts.optimizer, original.parameters())
-    opt = make_optimizer(opts.optimizer, twin.parameters())
-    memory = None
-    for step in range(opts.steps):
-        for m in range(opts.micro_batches):
-            seed = micro_seed(opts, step, m)
-            batch = batch_for(original, opts, seed)
-            want = forward_backward(original, batch, seed)
-            got = forward_backward(twin, batch, seed)
-            rec.compare("output", f"output (micro-batch {m})", step, got, want)
-        rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
-        for o in (ref_opt, opt):
-            if o is not None:
-                o.step()
-        if step == opts.steps - 1:
-            memory = _single_memory(twin, opt, prep.layout, opts)
-        rec.compare_all("parameter", step, flat.named_params(), named_params(original))
-        rec.compare_all("buffer", step, dict(twin.named_buffers()), dict(original.named_buffers()))
-        original.zero_grad(set_to_none=True)
-        flat.zero_grad()
-    flat.check_padding()
-    return build_report(prep, opts, rec, (memory,), backend="")
-
-
-def _single_memory(twin: nn.Module, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
-    params = list(twin.parameters())
-    r = allocation_rounding(opts.device)
-    groups = (params, [p.grad for p in params], optimizer_tensors(opt), list(twin.buffers()))
-    held = held_bytes(groups, r)
-    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(twin))
 
 
 def unused_kept(module: nn.Module) -> frozenset[str]:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .errors import ConversionError
+from ..errors import ConversionError
 from .flat import HOLDER, FlatBuffer, FlatModel
 
 

@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .errors import YafsdpError
-from .flat import HOLDER, convert_module
-from .sharded import DistComm, ShardedFlat
-from .step import forward_backward, make_optimizer, optimizer_tensors
-from .verify import (
+from ..engine.flat import HOLDER, convert_module
+from ..engine.sharded import DistComm, ShardedFlat
+from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
+from ..errors import YafsdpError
+from .common import (
     Prepared,
     Recorder,
     VerifyOptions,
@@ -79,7 +79,7 @@ def launched_by_torchrun() -> bool:
 
 def torchrun_rank(source, model, trust_pickle, opts: VerifyOptions) -> VerifyReport:
     """Run as the rank torchrun started; every rank returns the same report."""
-    from .sources import load_source
+    from ..sources import load_source
 
     world = int(os.environ["WORLD_SIZE"])
     if opts.world_size not in (1, world):
@@ -124,7 +124,7 @@ def run_world(jobs: list[tuple]) -> list[VerifyReport]:
 
 
 def _worker(rank: int, world: int, tmp: str, jobs: list[tuple]) -> None:
-    from .sources import load_source
+    from ..sources import load_source
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:

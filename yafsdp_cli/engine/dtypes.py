@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import YafsdpError
+from ..errors import YafsdpError
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .errors import YafsdpError
+from ..errors import YafsdpError
 
 
 def first_layer(module: nn.Module) -> nn.Module | None:

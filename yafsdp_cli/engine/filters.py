@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import FilterError, YafsdpError
 from . import dtypes
-from .errors import FilterError, YafsdpError
 from .records import MODULE_KINDS, ModelSpec, TensorRecord
 from .units import example_names
 

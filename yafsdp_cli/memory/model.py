@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from . import dtypes
-from .errors import YafsdpError
-from .layout import Layout, round_up
+from ..engine import dtypes
+from ..engine.layout import Layout, round_up
+from ..errors import YafsdpError
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}

@@ -36,8 +36,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..errors import ConversionError
 from . import dtypes
-from .errors import ConversionError
 from .layout import BufferLayout, Layout
 from .module_spec import collect_tensors
 

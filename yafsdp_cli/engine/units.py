@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from .errors import FilterError
+from ..errors import FilterError
 from .records import ModelSpec, TensorRecord
 
 ROOT = ""

@@ -19,14 +19,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import dtypes
-from .errors import FilterError, SourceError
-from .filters import parse_filter
-from .layout import BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
-from .memory import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
-from .plan import plan
-from .records import ModelSpec, TensorRecord
-from .units import ROOT
+from ..engine import dtypes
+from ..engine.filters import parse_filter
+from ..engine.layout import BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
+from ..engine.plan import plan
+from ..engine.records import ModelSpec, TensorRecord
+from ..engine.units import ROOT
+from ..errors import FilterError, SourceError
+from ..memory.model import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
 
 SCHEMA = "yafsdp.inspect/1"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import YafsdpError
+from ..errors import YafsdpError
 
 SCHEMA = "yafsdp.check/1"
 BASELINE_SCHEMA = "yafsdp.inspect/1"

@@ -1,0 +1,151 @@
+"""The house keeps its shape: rooms import one way, and no module imports itself back.
+
+Every import in the package is read from the source (``ast``), module level and
+inside functions alike: a lazy import that closes a cycle is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "yafsdp_cli"
+
+# Lower ranks are imported by higher ones, never the other way round. Rooms that share
+# a rank do not import each other.
+RANKS = {
+    "errors": 0,
+    "fileio": 1,
+    "engine": 2,
+    "sources": 3,
+    "memory": 4,
+    "inspect": 5,
+    "verify": 5,
+    "profiling": 5,
+    "checkpoint": 5,
+    "gate": 6,
+    "report": 7,
+    "cli": 8,
+}
+UI_LIBRARIES = ("rich", "typer")
+UI_ROOMS = ("report", "cli")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules that ``name`` imports (submodules named by ``from X import y``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == PKG.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != PKG.name:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names} & known
+            found.update(subs or {target})
+    found.discard(name)
+    return found
+
+
+def external_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the package's public facade
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {n: imports_of(n, p, known) for n, p in mods.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(edges):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_every_room_is_ranked():
+    rooms = {room(n) for n in modules()} - {None, "schemas"}
+    assert rooms <= set(RANKS), f"rooms without a rank in this test: {rooms - set(RANKS)}"
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_imports_flow_one_way(name):
+    here = room(name)
+    if here is None:
+        return  # the facade re-exports the engine's public names
+    wrong = []
+    for target in sorted(graph()[name]):
+        there = room(target)
+        if there is None and here != "cli":  # the CLI may read __version__
+            wrong.append(f"{target} (the package facade; import the room instead)")
+        elif there is not None and there != here and RANKS[there] >= RANKS[here]:
+            wrong.append(f"{target} ({there}, rank {RANKS[there]} >= {here}, rank {RANKS[here]})")
+    assert not wrong, f"{name} imports against the house order: {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_only_report_and_cli_import_rich_and_typer(name):
+    if room(name) in UI_ROOMS:
+        return
+    used = external_imports(modules()[name]) & set(UI_LIBRARIES)
+    assert not used, f"{name} imports {sorted(used)}; rendering belongs to report/ and cli/"
+
+
+def test_every_room_says_what_it_owns():
+    for init in sorted(PKG.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 15, f"{init.parent.name}/__init__.py needs its docstring"

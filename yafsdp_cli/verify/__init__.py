@@ -1,0 +1,21 @@
+"""``yafsdp verify``: does the converted model train exactly like the original?
+
+Owns the options and results of the check and its pieces (``common``), the tensor
+comparison (``compare``), the single-process run (``single``), the distributed run
+on N ranks (``dist``) and the entry points that pick one (``run``). It may import
+``memory``, ``sources``, ``engine``, ``errors``; ``report``, ``cli`` (and the
+checkpoint command line, through ``cli``) import it.
+"""
+
+from .common import TensorDiff, VerifyOptions, VerifyReport
+from .run import check_before_launch, model_check, verify_model, verify_source
+
+__all__ = [
+    "TensorDiff",
+    "VerifyOptions",
+    "VerifyReport",
+    "check_before_launch",
+    "model_check",
+    "verify_model",
+    "verify_source",
+]

@@ -1,0 +1,80 @@
+"""Entry points of verify: one process, or N ranks launched here or by torchrun."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.plan import plan
+from ..errors import YafsdpError
+from .common import VerifyOptions, VerifyReport, prepare
+from .dist import launched_by_torchrun, run_world, torchrun_rank, verify_this_rank
+from .single import run_single
+
+
+def verify_model(loaded, opts: VerifyOptions | None = None) -> VerifyReport:
+    """Verify a loaded model (``sources.load_source``) in this process.
+
+    With ``opts.world_size > 1`` this process must be one rank of a running
+    ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
+    """
+    opts = opts or VerifyOptions()
+    if opts.world_size > 1:
+        return verify_this_rank(loaded, opts)
+    return run_single(prepare(loaded, opts), opts)
+
+
+def verify_source(
+    source: str | None, *, model: str | None = None, trust_pickle: bool = False, opts=None
+) -> VerifyReport:
+    """Load ``source`` (and/or ``--model``) and verify it, on ``opts.world_size``
+    processes when that is more than one (launched here, or this process's rank
+    when started by torchrun)."""
+    from ..sources import load_source
+
+    opts = opts or VerifyOptions()
+    if launched_by_torchrun():
+        return torchrun_rank(source, model, trust_pickle, opts)
+    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+    if opts.world_size == 1:
+        return verify_model(loaded, opts)
+    check_before_launch(loaded, opts)
+    return run_world([(source, model, trust_pickle, opts)])[0]
+
+
+def check_before_launch(loaded, opts: VerifyOptions) -> None:
+    """Fail here, with one clear error, on what every rank would fail on."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
+    if loaded.module is None and loaded.factory is None:
+        loaded.build_module()  # raises the "needs its architecture" error
+    layout = plan(
+        loaded.spec,
+        filters=opts.filters,
+        excludes=opts.excludes,
+        units=opts.units,
+        world_size=opts.world_size,
+        align=opts.align,
+    )
+    if not layout.buffers:
+        raise YafsdpError("the filters select no parameter to convert; nothing to verify")
+
+
+def model_check(loaded, selection: dict) -> tuple[bool | None, str]:
+    """``yafsdp verify``'s single-process check of the original against the model
+    converted with the same selection and alignment: (passed or None, what happened).
+
+    The byte round trip shows the file holds the source's tensors; this shows the
+    converted model computes the same outputs, gradients and optimizer step."""
+    if not loaded.spec.has_architecture:
+        return None, (
+            "not run: no architecture (give --model package.module:factory or a Hugging "
+            "Face folder)"
+        )
+    opts = VerifyOptions(**selection)
+    try:
+        report = verify_model(loaded, opts)
+    except YafsdpError as exc:
+        return None, f"not run: {exc}"
+    if report.ok:
+        return True, f"passed ({report.compared} comparisons over {report.steps} steps)"
+    return False, f"FAILED: {report.failures} of {report.compared} comparisons out of tolerance"

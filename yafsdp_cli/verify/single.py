@@ -1,0 +1,65 @@
+"""Single-process verify: the original and a converted twin side by side."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from ..engine.flat import convert_module
+from ..engine.layout import Layout
+from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
+from .common import (
+    Prepared,
+    RankMemory,
+    Recorder,
+    VerifyOptions,
+    VerifyReport,
+    allocation_rounding,
+    batch_for,
+    build_report,
+    held_bytes,
+    micro_seed,
+    named_grads,
+    named_params,
+    rank_memory,
+    resolve_tolerances,
+    unused_kept,
+)
+
+
+def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
+    original = prep.original
+    twin = copy.deepcopy(original)
+    flat = convert_module(twin, prep.layout)
+    rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
+    ref_opt = make_optimizer(opts.optimizer, original.parameters())
+    opt = make_optimizer(opts.optimizer, twin.parameters())
+    memory = None
+    for step in range(opts.steps):
+        for m in range(opts.micro_batches):
+            seed = micro_seed(opts, step, m)
+            batch = batch_for(original, opts, seed)
+            want = forward_backward(original, batch, seed)
+            got = forward_backward(twin, batch, seed)
+            rec.compare("output", f"output (micro-batch {m})", step, got, want)
+        rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
+        for o in (ref_opt, opt):
+            if o is not None:
+                o.step()
+        if step == opts.steps - 1:
+            memory = _single_memory(twin, opt, prep.layout, opts)
+        rec.compare_all("parameter", step, flat.named_params(), named_params(original))
+        rec.compare_all("buffer", step, dict(twin.named_buffers()), dict(original.named_buffers()))
+        original.zero_grad(set_to_none=True)
+        flat.zero_grad()
+    flat.check_padding()
+    return build_report(prep, opts, rec, (memory,), backend="")
+
+
+def _single_memory(twin: nn.Module, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
+    params = list(twin.parameters())
+    r = allocation_rounding(opts.device)
+    groups = (params, [p.grad for p in params], optimizer_tensors(opt), list(twin.buffers()))
+    held = held_bytes(groups, r)
+    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(twin))
