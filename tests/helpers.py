@@ -25,13 +25,16 @@ def original_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def run_steps(model, flat=None, *, steps=3, micro=2, optimizer="adamw", seed=0):
+def run_steps(model, flat=None, *, steps=3, micro=2, optimizer="adamw", seed=0, on="flat"):
     """Train ``steps`` steps of ``micro`` accumulated micro-batches; record everything.
 
     Returns one dict per step: outputs, grads by name (tied names too) and the
-    parameters after the optimizer step, all cloned.
+    parameters after the optimizer step, all cloned. A converted model's optimizer
+    steps on its flat buffers (``on="flat"``, the metaparam way) or on the module's
+    own parameters (``on="params"``, what unmodified training code does).
     """
-    opt = make_optimizer(optimizer, model.parameters())
+    params = flat.parameters() if flat is not None and on == "flat" else model.parameters()
+    opt = make_optimizer(optimizer, params)
     record = []
     for step in range(steps):
         outputs = []

@@ -182,7 +182,7 @@ def test_flat_persistent_matches_a_converted_model_after_an_adamw_step():
     model = build("gpt")
     layout = plan(spec_from_module(model))
     flat = convert_module(model, layout)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    opt = torch.optim.AdamW(flat.parameters(), foreach=False)
     projection_loss(model(make_input(model))).backward()
     opt.step()
     bufs = [b.param for b in flat.buffers]

@@ -1,37 +1,48 @@
 """The conversion engine: a live module's parameters as views of flat buffers.
 
-``convert_module`` removes the selected ``nn.Parameter``s from their modules and
-copies them into one 1-D ``nn.Parameter`` per layout buffer, registered on the root
-module as ``yafsdp_flat_<i>`` so ``model.parameters()`` (and so any optimizer) sees the
-flat buffers. Before every forward a hook puts back, on every owner of every entry,
-a view of its slice made by ``_FlatView``; its backward writes the gradient straight
-into the flat buffer's ``.grad`` (no per-parameter ``.grad`` exists):
+``convert_module`` copies the selected parameters into one 1-D tensor per layout
+buffer and makes every one of them a view of its slice: the ``nn.Parameter``
+objects stay where they were, under their names, in their order, with
+``p.data = flat[offset : offset + numel].view(shape)``. So the module is still an
+ordinary module to everything that walks it: ``state_dict()`` / ``load_state_dict()``
+speak the original names, autograd sees ordinary leaves (activation checkpointing,
+reentrant or not, needs nothing special), ``torch.compile`` sees ordinary
+parameters (no graph break, no guard per entry), and a tied parameter is one object
+with one slice, whose gradient autograd sums before it lands.
 
-- a tied parameter is one entry with one view per forward, set on all its owners,
-  so autograd sums the contributions before ``_FlatView.backward`` runs once;
-- accumulation follows ``AccumulateGrad``: when the flat ``.grad`` is ``None``
-  (after ``zero_grad()``, the new-step call) a buffer is allocated and each entry's
-  first gradient is copied in; later gradients are added. The buffer is not zeroed
-  first: what no gradient reached (padding, entries unused in this backward) is
-  zeroed when the backward ends (``FlatBuffer.fill_gaps``), so a step passes over
-  the gradient memory once, not twice;
-- padding is never written, so it stays zero through optimizer steps;
-- each owning module's own forward pre-hook makes its entries' views again, once
-  per forward, just before it runs. Autograd runs ready nodes newest first, so a
-  view made before the whole forward (by the root hook) would have its backward
-  run last, holding every parameter's gradient until the end of backward (a whole
-  model of gradients on top of the flat one); made just before use, it runs as
-  soon as its gradient exists, as ``AccumulateGrad`` does. The root hook's views
-  stay for parameters read outside their owner's forward.
+Gradients land in one flat gradient buffer per flat buffer (``FlatBuffer.grad``,
+also the flat parameter's ``.grad``) through two hooks on every converted
+parameter, so no per-parameter gradient outlives its backward:
 
-``FlatModel.restore()`` gives back ordinary parameters, bit for bit, tied ones as
-one ``nn.Parameter`` again, in their modules' original registration order.
+- after ``AccumulateGrad`` (``register_post_accumulate_grad_hook``): a fresh
+  gradient (the parameter had none: a new step) is copied into its region and
+  ``p.grad`` becomes a view of that region; from then on ``AccumulateGrad`` adds
+  in place, straight into the flat buffer (gradient accumulation);
+- before it (a tensor hook), once per backward, and before every eager forward:
+  ``reconcile`` sees whether the user started a new step, by either door:
+  ``zero_grad()`` on the module or on an optimizer over its parameters (every
+  ``p.grad`` is ``None``) or on an optimizer over the flat buffers (the flat
+  parameter's ``.grad`` is ``None``). Then the old flat gradient is dropped and
+  the next one starts from nothing, so a new step never adds into stale values.
+
+"Written" is read off the tensors themselves (``p.grad is`` this buffer's view),
+never kept in a side table that could disagree with them. The flat gradient is
+allocated uninitialized; what no gradient reached (padding, parameters unused in
+this backward) is zeroed when the backward ends (``fill_gaps``), so a step passes
+over the gradient memory once.
+
+Two ways to train: any optimizer over ``model.parameters()`` (per parameter, the
+gradients are views of the flat buffer), or the metaparam way, one over
+``FlatModel.parameters()`` (the flat buffers and the unconverted parameters).
+``copy.deepcopy(model)`` gives a converted copy with a handle of its own
+(``flat_handle``); ``FlatModel.restore()`` gives back ordinary parameters, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,99 +52,146 @@ from . import dtypes
 from .layout import BufferLayout, Layout
 from .module_spec import collect_tensors
 
-# Flat buffers are registered on the root module as parameters named HOLDER_<i>
-# (not as a child module: nn.Sequential and others call every child).
-HOLDER = "yafsdp_flat"
-
-
-class _FlatView(torch.autograd.Function):
-    """``flat[offset : offset + numel].view(shape)`` whose gradient goes to the buffer."""
-
-    @staticmethod
-    def forward(ctx, data: torch.Tensor, buffer: FlatBuffer, index: int) -> torch.Tensor:
-        ctx.buffer, ctx.index = buffer, index
-        ctx.set_materialize_grads(False)
-        e = buffer.layout.entries[index]
-        return data.narrow(0, e.offset, e.numel).view(e.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor | None):
-        if grad is not None:
-            ctx.buffer.accumulate(ctx.index, grad)
-        return None, None, None
+HANDLE_ATTR = "_yafsdp_flat"  # the FlatModel of a converted module, on the module
 
 
 class FlatBuffer:
-    """One flat buffer of a converted module and the owners of its entries."""
+    """One flat buffer of a converted module and the parameters that view it."""
 
-    def __init__(self, layout: BufferLayout, param: nn.Parameter, owners, requires_grad):
+    def __init__(self, layout: BufferLayout, param: nn.Parameter, params, owners):
         self.layout = layout
-        self.param = param  # 1-D, layout.padded_numel elements
+        self.param = param  # 1-D, layout.padded_numel elements; the optimizer's view
+        self.params: list[nn.Parameter] = params  # per entry: the original parameter
         self.owners: list[list[tuple[nn.Module, str]]] = owners  # per entry
-        self.entry_requires_grad: list[bool] = requires_grad  # per entry, as it was
-        self._grad_ref = None  # weakref to the .grad this buffer allocated
-        self._written: set[int] = set()  # entries copied into that .grad so far
-        self._gaps_open = False  # that .grad has unwritten, uninitialized regions
+        self.entry_requires_grad = [p.requires_grad for p in params]
+        # Weak references only: what holds gradient memory is what the user holds
+        # (p.grad, the flat parameter's .grad), so dropping those frees it as it
+        # frees an ordinary module's gradients.
+        self._grad_ref: weakref.ref | None = None  # the flat gradient of this step
+        self._views: list[weakref.ref | None] = [None] * len(params)  # p.grad we set
+        self._checked = False  # reconciled in the running backward
+        self._gaps_open = False  # self.grad has unwritten, uninitialized regions
+        self.listeners: list[Callable[[int], None]] = []  # called as entries land
+        self._hooks = [h for i in range(len(params)) for h in self._hook(i)]
 
-    def view(self, index: int) -> torch.Tensor:
-        if self.entry_requires_grad[index] and torch.is_grad_enabled():
-            return _FlatView.apply(self.param, self, index)
+    # -- views -------------------------------------------------------------------------
+
+    def entry_tensor(self, index: int, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Entry ``index`` of the data (or of ``source``, e.g. the grad) as a view."""
+        t = self.param.detach() if source is None else source
         e = self.layout.entries[index]
-        return self.param.detach().narrow(0, e.offset, e.numel).view(e.shape)
+        return t.narrow(0, e.offset, e.numel).view(e.shape)
 
-    def materialize(self) -> None:
-        for index, owners in enumerate(self.owners):
-            view = self.view(index)
-            for module, attr in owners:
-                setattr(module, attr, view)
+    def point_params(self) -> None:
+        """Make every entry's parameter a view of its slice of ``self.param``."""
+        for i, p in enumerate(self.params):
+            p.data = self.entry_tensor(i)
+
+    def check_params(self) -> None:
+        """Raise if a parameter no longer views this buffer (moved or replaced)."""
+        storage = self.param.untyped_storage()._cdata
+        for i, (p, owners) in enumerate(zip(self.params, self.owners)):
+            moved = p.untyped_storage()._cdata != storage
+            replaced = next((f"{a}" for m, a in owners if m._parameters.get(a) is not p), None)
+            if moved or replaced:
+                what = "replaced" if replaced else "given other storage"
+                raise ConversionError(
+                    f"{self.layout.entries[i].name} was {what} after conversion (by .to(), "
+                    "load_state_dict(assign=True) or an assignment); move or load the model "
+                    "before convert_module, or restore() it first"
+                )
+
+    # -- gradients ---------------------------------------------------------------------
+
+    def _hook(self, index: int) -> list:
+        p = self.params[index]
+        if not p.requires_grad:
+            return []
+        return [
+            p.register_hook(self._before_backward),
+            p.register_post_accumulate_grad_hook(lambda _p: self._landed(index)),
+        ]
+
+    def _before_backward(self, _grad: torch.Tensor) -> None:
+        if not self._checked:
+            self._checked = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._uncheck)
+            self.reconcile()
+
+    def _uncheck(self) -> None:
+        self._checked = False
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This step's flat gradient, while anything (p.grad, the flat .grad) holds it."""
+        return None if self._grad_ref is None else self._grad_ref()
+
+    def _ours(self, index: int) -> bool:
+        ref = self._views[index]
+        view = None if ref is None else ref()
+        return view is not None and self.params[index].grad is view
+
+    def reconcile(self) -> None:
+        """Drop the flat gradient if the user started a new step (module docstring)."""
+        grad = self.grad
+        if grad is None:
+            return
+        if self.param.grad is not grad or not any(map(self._ours, range(len(self.params)))):
+            self.drop_grad()
+
+    def drop_grad(self) -> None:
+        """Forget this step's gradient: the flat one and every view of it."""
+        grad = self.grad
+        for i, p in enumerate(self.params):
+            if self._ours(i):
+                p.grad = None
+        if grad is not None and self.param.grad is grad:
+            self.param.grad = None
+        self._grad_ref, self._views, self._gaps_open = None, [None] * len(self.params), False
+
+    def _landed(self, index: int) -> None:
+        p = self.params[index]
+        if not self._ours(index):  # a fresh gradient: the first of this step
+            self.accumulate(index, p.grad)
+        for listener in self.listeners:
+            listener(index)
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Write one entry's gradient into the flat ``.grad`` (copy first, then add)."""
-        flat_grad = self.param.grad
+        """Copy a fresh gradient into entry ``index``'s region; ``p.grad`` views it."""
+        flat_grad = self.grad
         if flat_grad is None:
             flat_grad = self._new_grad()
-        e = self.layout.entries[index]
-        region = flat_grad.narrow(0, e.offset, e.numel)
-        ours = self._grad_ref is not None and self._grad_ref() is flat_grad
-        if ours and index not in self._written:
-            region.copy_(grad.reshape(-1))
-            self._written.add(index)
-        else:
-            region.add_(grad.reshape(-1))
+        region = self.entry_tensor(index, flat_grad)
+        with torch.no_grad():
+            region.copy_(grad)
+        self.params[index].grad = region
+        self._views[index] = weakref.ref(region)
 
     def _new_grad(self) -> torch.Tensor:
+        self.drop_grad()  # views of an older gradient must not count as written
         try:  # zero the gaps when this backward ends; outside a backward, zero now
             torch.autograd.Variable._execution_engine.queue_callback(self.fill_gaps)
-            flat_grad = torch.empty_like(self.param)
-            self._gaps_open = True
+            flat_grad, self._gaps_open = torch.empty_like(self.param), True
         except RuntimeError:
-            flat_grad = torch.zeros_like(self.param)
-            self._gaps_open = False
+            flat_grad, self._gaps_open = torch.zeros_like(self.param), False
         self.param.grad = flat_grad
-        self._grad_ref, self._written = weakref.ref(flat_grad), set()
+        self._grad_ref = weakref.ref(flat_grad)
         return flat_grad
 
     def fill_gaps(self) -> None:
-        """Zero the regions of the allocated ``.grad`` no gradient was written to."""
-        grad = self._grad_ref() if self._grad_ref is not None else None
+        """Zero the regions of ``self.grad`` that no gradient was written to."""
+        grad, start = self.grad, 0
         if not self._gaps_open or grad is None:
             return
         self._gaps_open = False
-        start = 0
         with torch.no_grad():
             for i, e in enumerate(self.layout.entries):
-                if i in self._written:
+                if self._ours(i):
                     if e.offset > start:
                         grad[start : e.offset].zero_()
                     start = e.offset + e.numel
             if start < grad.numel():
                 grad[start:].zero_()
-
-    def entry_tensor(self, index: int, source: torch.Tensor | None = None):
-        """Entry ``index`` of the data (or of ``source``, e.g. the grad) as a view."""
-        t = self.param.detach() if source is None else source
-        e = self.layout.entries[index]
-        return t.narrow(0, e.offset, e.numel).view(e.shape)
 
     def padding_is_zero(self, source: torch.Tensor | None = None) -> bool:
         t = self.param.detach() if source is None else source
@@ -144,64 +202,61 @@ class FlatBuffer:
             start = e.offset + e.numel
         return not bool(t[start:].any())
 
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
 
 class FlatModel:
     """Handle on a module converted in place; see the module docstring."""
 
-    def __init__(self, module: nn.Module, layout: Layout, buffers: list[FlatBuffer], orders):
+    def __init__(self, module: nn.Module, layout: Layout, buffers: list[FlatBuffer]):
         self.module = module
         self.layout = layout
         self.buffers = buffers
-        self._orders = orders  # id(module) -> (module, original _parameters keys)
-        self._hook = module.register_forward_pre_hook(self._pre_forward)
-        self._pass = 0  # forward passes seen by the root hook
-        self._made: dict[tuple[int, int], int] = {}  # (buffer, entry) -> pass of its view
-        self._owner_hooks = self._hook_owners(module)
         self._index = {
             n: (b, i) for b in buffers for i, e in enumerate(b.layout.entries) for n in e.names
         }
-        self.materialize()
+        self._converted = {id(p) for b in buffers for p in b.params}
+        self._hook = module.register_forward_pre_hook(self._pre_forward)
+        self._base_class = type(module)
+        module.__class__ = _deepcopyable(type(module))
+        object.__setattr__(module, HANDLE_ATTR, self)
 
     def _pre_forward(self, _module, _args) -> None:
-        self._pass += 1
-        self.materialize()
-
-    def _hook_owners(self, root: nn.Module) -> list:
-        owned: dict[int, tuple[nn.Module, list[tuple[int, int]]]] = {}
-        for bi, b in enumerate(self.buffers):
-            for i, owners in enumerate(b.owners):
-                for m, _ in owners:
-                    owned.setdefault(id(m), (m, []))[1].append((bi, i))
-        return [
-            m.register_forward_pre_hook(self._owner_pre_forward(entries))
-            for m, entries in owned.values()
-            if m is not root
-        ]
-
-    def _owner_pre_forward(self, entries: list[tuple[int, int]]):
-        def hook(_module, _args) -> None:
-            for bi, i in entries:
-                if self._made.get((bi, i)) == self._pass:
-                    continue  # a tied entry: one view per forward, on all its owners
-                self._made[(bi, i)] = self._pass
-                b = self.buffers[bi]
-                view = b.view(i)
-                for module, attr in b.owners[i]:
-                    setattr(module, attr, view)
-
-        return hook
-
-    def materialize(self) -> None:
-        """Put fresh views on every owner; the forward hook calls this."""
+        # Under torch.compile the backward-time check alone does the work: this one
+        # only lets an eager step free a stale gradient before the forward, not after.
+        if torch.compiler.is_compiling():
+            return
         for b in self.buffers:
-            b.materialize()
+            b.check_params()
+            b.reconcile()
+
+    # -- what the optimizer and the checks see -----------------------------------------
 
     def flat_parameters(self) -> Iterator[nn.Parameter]:
         return (b.param for b in self.buffers)
 
+    def kept_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Unconverted parameters, one per tensor, by their first name."""
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) not in self._converted]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What a metaparam optimizer steps on: the flat buffers, then the rest."""
+        return [*self.flat_parameters(), *(p for _, p in self.kept_parameters())]
+
+    def is_converted(self, p: torch.Tensor) -> bool:
+        return id(p) in self._converted
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The new-step call: reset gradient accumulation (as ``module.zero_grad``)."""
+        """The new-step call (as ``module.zero_grad``), for the flat gradients too."""
         self.module.zero_grad(set_to_none=set_to_none)
+        for b in self.buffers:
+            if set_to_none:
+                b.drop_grad()
+            elif b.grad is not None:
+                b.grad.zero_()
 
     def param(self, name: str) -> torch.Tensor:
         """The current value of a converted parameter (any tied name) as a view."""
@@ -209,26 +264,34 @@ class FlatModel:
         return b.entry_tensor(i)
 
     def grad(self, name: str) -> torch.Tensor | None:
-        """The gradient of a converted parameter as a view of the flat ``.grad``."""
+        """The gradient of a converted parameter as a view of the flat gradient."""
         b, i = self._lookup(name)
-        return None if b.param.grad is None else b.entry_tensor(i, b.param.grad)
+        return None if b.grad is None else b.entry_tensor(i, b.grad)
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """Every original parameter name (tied names too) -> its current value."""
         return self._named(lambda b, i: b.entry_tensor(i), lambda p: p.detach())
 
     def named_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every original parameter name (tied names too) -> its gradient or None."""
+        """Every parameter name (tied names too) -> its gradient or None; converted
+        ones as the optimizer over the flat buffers sees them (zeros where unused)."""
         return self._named(
-            lambda b, i: None if b.param.grad is None else b.entry_tensor(i, b.param.grad),
+            lambda b, i: None if b.grad is None else b.entry_tensor(i, b.grad),
             lambda p: p.grad,
         )
 
     def _named(self, converted, kept) -> dict:
-        out = {n: converted(b, i) for n, (b, i) in self._index.items()}
+        out = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            if not name.startswith(HOLDER + "_"):
-                out[name] = kept(p)
+            out[name] = converted(*self._index[name]) if name in self._index else kept(p)
+        return out
+
+    def flat_state_dict(self) -> dict[str, torch.Tensor]:
+        """The flat form: buffer name -> flat tensor, then unconverted tensors by name."""
+        out = {b.layout.name: b.param.detach() for b in self.buffers}
+        for name, t in self.module.state_dict().items():
+            if name not in self._index:
+                out[name] = t
         return out
 
     def _lookup(self, name: str) -> tuple[FlatBuffer, int]:
@@ -239,31 +302,65 @@ class FlatModel:
     def check_padding(self) -> None:
         """Raise ``ConversionError`` if padding in data or gradient is not zero."""
         for b in self.buffers:
-            for what, t in (("data", b.param.detach()), ("grad", b.param.grad)):
+            for what, t in (("data", b.param.detach()), ("grad", b.grad)):
                 if t is not None and not b.padding_is_zero(t):
                     raise ConversionError(f"{b.layout.name}: padding of its {what} is not zero")
 
     def restore(self) -> nn.Module:
         """Give back ordinary parameters, bit for bit; the handle is dead afterwards."""
         self._hook.remove()
-        for h in self._owner_hooks:
-            h.remove()
-        for i in range(len(self.buffers)):
-            delattr(self.module, f"{HOLDER}_{i}")  # FlatBuffer.param still holds the data
         for b in self.buffers:
-            for i, owners in enumerate(b.owners):
-                value = b.entry_tensor(i).clone()
-                p = nn.Parameter(value, requires_grad=b.entry_requires_grad[i])
-                for module, attr in owners:
-                    module.__dict__.pop(attr, None)
-                    module._parameters[attr] = p
+            b.remove_hooks()
+            for i, p in enumerate(b.params):
+                grad = p.grad.clone() if b._ours(i) else p.grad
+                p.data = b.entry_tensor(i).clone()
+                p.grad = grad
             b.param = None  # drop this buffer before cloning the next one
-        for module, keys in self._orders.values():
-            params = {k: module._parameters[k] for k in keys}
-            module._parameters.clear()
-            module._parameters.update(params)
         self.buffers = []
+        self.module.__class__ = self._base_class
+        self.module.__dict__.pop(HANDLE_ATTR, None)
         return self.module
+
+
+def flat_handle(module: nn.Module) -> FlatModel:
+    """The ``FlatModel`` of a converted module (a deep copy's own, for a copy)."""
+    handle = module.__dict__.get(HANDLE_ATTR)
+    if handle is None:
+        raise ConversionError(f"this {type(module).__name__} is not converted")
+    return handle
+
+
+_DEEPCOPYABLE: dict[type, type] = {}
+
+
+def _deepcopyable(cls: type) -> type:
+    """``cls`` with a ``__deepcopy__`` that converts the copy the same way.
+
+    The subclass keeps the class's name and module, so what reads them (a Hugging Face
+    ``config.architectures``, a repr) sees the original class."""
+    if cls not in _DEEPCOPYABLE:
+        attrs = {"__deepcopy__": _deepcopy_converted, "__module__": cls.__module__}
+        sub = type(cls.__name__, (cls,), attrs)
+        sub.__qualname__ = cls.__qualname__
+        _DEEPCOPYABLE[cls] = sub
+    return _DEEPCOPYABLE[cls]
+
+
+def _deepcopy_converted(self: nn.Module, memo: dict) -> nn.Module:
+    handle = flat_handle(self)
+    hooks = list(self._forward_pre_hooks.items())
+    del self._forward_pre_hooks[handle._hook.id]
+    del self.__dict__[HANDLE_ATTR]
+    self.__class__ = handle._base_class
+    try:
+        twin = copy.deepcopy(self, memo)
+    finally:
+        self.__class__ = _deepcopyable(handle._base_class)
+        self.__dict__[HANDLE_ATTR] = handle
+        self._forward_pre_hooks.clear()
+        self._forward_pre_hooks.update(hooks)
+    convert_module(twin, handle.layout)
+    return twin
 
 
 def convert_module(module: nn.Module, layout: Layout) -> FlatModel:
@@ -276,24 +373,19 @@ def convert_module(module: nn.Module, layout: Layout) -> FlatModel:
     >>> from yafsdp_cli import convert_module, plan, spec_from_module
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     >>> flat = convert_module(model, plan(spec_from_module(model), world_size=2))
-    >>> [tuple(p.shape) for p in model.parameters()]  # one flat buffer, padded
+    >>> [tuple(p.shape) for p in flat.parameters()]  # one flat buffer, padded
     [(32,)]
-    >>> [name for name, _ in model.named_parameters()]
-    ['yafsdp_flat_0']
+    >>> list(model.state_dict())  # the module keeps its names
+    ['0.weight', '0.bias', '1.weight', '1.bias']
     >>> model = flat.restore()
     """
-    if hasattr(module, f"{HOLDER}_0"):
+    if HANDLE_ATTR in module.__dict__:
         raise ConversionError("this module is converted already; restore() it first")
     items = {i.names[0]: i for i in collect_tensors(module)}
     for b in layout.buffers:
         _check_buffer_against_module(b, items)
-    orders = {}
-    buffers = []
-    for b in layout.buffers:
-        buffers.append(_build_buffer(b, items, orders))
-    for i, b in enumerate(buffers):
-        module.register_parameter(f"{HOLDER}_{i}", b.param)
-    return FlatModel(module, layout, buffers, orders)
+    buffers = [_build_buffer(b, items) for b in layout.buffers]
+    return FlatModel(module, layout, buffers)
 
 
 def _check_buffer_against_module(b: BufferLayout, items) -> None:
@@ -319,20 +411,18 @@ def _check_buffer_against_module(b: BufferLayout, items) -> None:
         )
 
 
-def _build_buffer(b: BufferLayout, items, orders) -> FlatBuffer:
+def _build_buffer(b: BufferLayout, items) -> FlatBuffer:
     first = items[b.entries[0].name].tensor if b.entries else None
     device = first.device if first is not None else "cpu"
     data = torch.zeros(b.padded_numel, dtype=dtypes.to_torch(b.dtype), device=device)
-    owners, requires_grad = [], []
+    params, owners = [], []
     for e in b.entries:
         item = items[e.name]
         with torch.no_grad():
             data.narrow(0, e.offset, e.numel).copy_(item.tensor.reshape(-1))
+        params.append(item.tensor)
         # A module registered under two names is one owner, not two.
-        unique = list({(id(m), attr): (m, attr) for m, attr in item.owners}.values())
-        for module, attr in unique:
-            orders.setdefault(id(module), (module, list(module._parameters)))
-            del module._parameters[attr]
-        owners.append(unique)
-        requires_grad.append(bool(item.tensor.requires_grad))
-    return FlatBuffer(b, nn.Parameter(data, requires_grad=b.requires_grad), owners, requires_grad)
+        owners.append(list({(id(m), a): (m, a) for m, a in item.owners}.values()))
+    buffer = FlatBuffer(b, nn.Parameter(data, requires_grad=b.requires_grad), params, owners)
+    buffer.point_params()
+    return buffer

@@ -10,7 +10,7 @@ that own flat buffers, the root for the root unit):
   it they are freed again, and a hook on the unit's outputs gathers them again when
   backward reaches the unit (the root unit stays gathered through the step, as
   FSDP's root does);
-- the whole buffer's gradient (the engine writes it into the buffer's ``.grad``)
+- the whole buffer's gradient (the engine writes it into ``FlatBuffer.grad``)
   is reduce-scattered into the shard's ``.grad`` (added to it after the first
   micro-batch) and dropped. With ``LocalComm`` this happens as soon as every
   trainable entry has its gradient for this backward, and the parameters are freed
@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import ConversionError
-from .flat import HOLDER, FlatBuffer, FlatModel
+from .flat import FlatBuffer, FlatModel
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -148,10 +148,7 @@ class ShardedFlat:
         for i, b in enumerate(flat.buffers):
             self.shards.append(self._make_shard(b))
             self._watch(i, b)
-        # The engine's root pre-forward hook puts views of every buffer on their
-        # owners; a view of a freed storage cannot be made, so it only does that for
-        # the gathered buffers, and each unit makes its own views once gathered.
-        flat.materialize = self._materialize_gathered
+        # The parameters stay views of the whole buffers: they read what is gathered.
         self._install_unit_hooks()
 
     # -- setup -------------------------------------------------------------------------
@@ -163,16 +160,15 @@ class ShardedFlat:
         return nn.Parameter(data, requires_grad=b.param.requires_grad)
 
     def _watch(self, i: int, b: FlatBuffer) -> None:
-        inner, trainable = b.accumulate, sum(b.entry_requires_grad)
+        trainable = sum(b.entry_requires_grad)
 
-        def accumulate(index: int, grad: torch.Tensor) -> None:
-            inner(index, grad)
+        def landed(index: int) -> None:
             self._pending[i].add(index)
             if self.comm.simulated and len(self._pending[i]) == trainable:
                 self._reduce(i)
                 self._release(i)
 
-        b.accumulate = accumulate  # this instance only: the engine calls buffer.accumulate
+        b.listeners.append(landed)
 
     def _install_unit_hooks(self) -> None:
         by_unit: dict[str, list[int]] = {}
@@ -198,18 +194,12 @@ class ShardedFlat:
                         "choose --unit so tied parameters share a unit"
                     )
 
-    def _gather_hook(self, idxs, *, views: bool = True):
+    def _gather_hook(self, idxs):
         def hook(_module, _args) -> None:
             for i in idxs:
                 self.gather(i)
-                if views:
-                    self.flat.buffers[i].materialize()
 
         return hook
-
-    def _materialize_gathered(self) -> None:
-        for i in sorted(self._gathered):
-            self.flat.buffers[i].materialize()
 
     def _after_forward_hook(self, idxs):
         def hook(_module, _args, output) -> None:
@@ -217,8 +207,8 @@ class ShardedFlat:
                 self._release(i)
             outs = [t for t in tree_flatten(output)[0] if _wants_grad(t)]
             if outs:
-                # backward reads the views autograd saved: gathering is enough
-                regather = self._gather_hook(idxs, views=False)
+                # backward reads the parameters autograd saved: gather them again
+                regather = self._gather_hook(idxs)
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda _grads: regather(None, None), mode="any"
                 )
@@ -246,7 +236,7 @@ class ShardedFlat:
     def _reduce(self, i: int) -> None:
         b, shard = self.flat.buffers[i], self.shards[i]
         b.fill_gaps()  # padding and entries with no gradient read as zeros
-        full_grad = b.param.grad
+        full_grad = b.grad
         self._pending[i] = set()
         if full_grad is None:
             if self.comm.simulated or not b.layout.requires_grad:
@@ -260,12 +250,12 @@ class ShardedFlat:
                 shard.grad = part
             else:
                 shard.grad.add_(part)
-        b.param.grad = None
+        b.drop_grad()
 
     def finish_backward(self) -> None:
         """After each ``loss.backward()``: reduce what is left, free what is gathered."""
         for i, b in enumerate(self.flat.buffers):
-            if not self.comm.simulated or self._pending[i] or b.param.grad is not None:
+            if not self.comm.simulated or self._pending[i] or b.grad is not None:
                 self._reduce(i)
         for i in list(self._gathered):
             self._release(i)
@@ -299,11 +289,7 @@ class ShardedFlat:
 
     def kept_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Unconverted parameters (whole on every rank), one per tensor."""
-        return [
-            (n, p)
-            for n, p in self.module.named_parameters()
-            if not n.startswith(HOLDER + "_") and p.requires_grad
-        ]
+        return [(n, p) for n, p in self.flat.kept_parameters() if p.requires_grad]
 
     def parameters(self) -> list[nn.Parameter]:
         return [*self.shards, *(p for _, p in self.kept_parameters())]
@@ -323,7 +309,7 @@ class ShardedFlat:
                 for n in e.names:
                     out[n] = view
         for n, p in self.module.named_parameters(remove_duplicate=False):
-            if not n.startswith(HOLDER + "_"):
+            if not self.flat.is_converted(p):
                 out[n] = p.detach() if what == "param" else p.grad
         return out
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import dtypes
-from ..engine.flat import HOLDER, convert_module
+from ..engine.flat import convert_module
 from ..engine.module_spec import collect_tensors, spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
@@ -150,7 +150,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode) -> ProfileReport:
         sharded = None
         if opts.world_size > 1:
             sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
-        params = sharded.parameters() if sharded else list(module.parameters())
+        params = sharded.parameters() if sharded else flat.parameters()
         converted = _profile_step("converted", module, params, batch, opts, rounding, sharded)
     return ProfileReport(
         source=loaded.spec.source,
@@ -299,8 +299,7 @@ def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) 
 
 
 def _assign_roles(tracker, module, params, opt, batch) -> None:
-    whole = [p for n, p in module.named_parameters() if n.startswith(HOLDER + "_")]
-    tracker.assign([*params, *whole, *module.parameters()], "parameters")
+    tracker.assign([*params, *module.parameters()], "parameters")
     tracker.assign(list(module.buffers()), "buffers")
     tracker.assign(optimizer_tensors(opt), "optimizer")
     tracker.assign(batch.tensors(), "activations")

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..engine.flat import HOLDER
 from ..engine.layout import Layout, round_up
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
@@ -247,13 +246,10 @@ def batch_for(module: nn.Module, opts: VerifyOptions, seed: int):
     )
 
 
-def unused_kept(module: nn.Module) -> frozenset[str]:
-    """Trainable unconverted parameters without a gradient (after a backward)."""
-    return frozenset(
-        n
-        for n, p in module.named_parameters()
-        if p.requires_grad and p.grad is None and not n.startswith(HOLDER + "_")
-    )
+def unused_kept(kept) -> frozenset[str]:
+    """Of ``kept`` (``FlatModel.kept_parameters()``: name, parameter), the trainable
+    ones without a gradient (after a backward)."""
+    return frozenset(n for n, p in kept if p.requires_grad and p.grad is None)
 
 
 def named_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:

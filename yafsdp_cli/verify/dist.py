@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..engine.flat import HOLDER, convert_module
+from ..engine.flat import convert_module
 from ..engine.sharded import DistComm, ShardedFlat
 from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
 from ..errors import YafsdpError
@@ -260,7 +260,7 @@ def _set_grads(model, by_name: dict) -> None:
 
 
 def _rank_memory(rank, twin, sharded: ShardedFlat, opt, prep: Prepared, opts: VerifyOptions):
-    every_param = [p for n, p in twin.named_parameters() if not n.startswith(HOLDER + "_")]
+    every_param = list(twin.parameters())  # converted ones view freed storage: 0 bytes
     whole = [b.param for b in sharded.flat.buffers]  # freed: they must count 0 bytes
     groups = (
         [*sharded.shards, *every_param, *whole],

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from torch import nn
-
-from ..engine.flat import convert_module
+from ..engine.flat import FlatModel, convert_module
 from ..engine.layout import Layout
 from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
 from .common import (
@@ -34,7 +32,7 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     flat = convert_module(twin, prep.layout)
     rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
     ref_opt = make_optimizer(opts.optimizer, original.parameters())
-    opt = make_optimizer(opts.optimizer, twin.parameters())
+    opt = make_optimizer(opts.optimizer, flat.parameters())
     memory = None
     for step in range(opts.steps):
         for m in range(opts.micro_batches):
@@ -48,7 +46,7 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
             if o is not None:
                 o.step()
         if step == opts.steps - 1:
-            memory = _single_memory(twin, opt, prep.layout, opts)
+            memory = _single_memory(flat, opt, prep.layout, opts)
         rec.compare_all("parameter", step, flat.named_params(), named_params(original))
         rec.compare_all("buffer", step, dict(twin.named_buffers()), dict(original.named_buffers()))
         original.zero_grad(set_to_none=True)
@@ -57,9 +55,10 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     return build_report(prep, opts, rec, (memory,), backend="")
 
 
-def _single_memory(twin: nn.Module, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
-    params = list(twin.parameters())
+def _single_memory(flat: FlatModel, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
+    params = flat.parameters()
     r = allocation_rounding(opts.device)
-    groups = (params, [p.grad for p in params], optimizer_tensors(opt), list(twin.buffers()))
+    grads = [p.grad for p in params]
+    groups = (params, grads, optimizer_tensors(opt), list(flat.module.buffers()))
     held = held_bytes(groups, r)
-    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(twin))
+    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(flat.kept_parameters()))
