@@ -77,8 +77,9 @@ def paired_times(impl: str, pairs: int = PAIRS) -> tuple[float, float, float]:
 
     original = bench_model()
     converted = copy.deepcopy(original)
-    convert_module(converted, plan(spec_from_module(converted)))
-    opts = [make_optimizer("adamw", m.parameters(), impl) for m in (original, converted)]
+    flat = convert_module(converted, plan(spec_from_module(converted)))
+    # the metaparam way: the converted model's optimizer steps on its flat buffers
+    opts = [make_optimizer("adamw", p, impl) for p in (original.parameters(), flat.parameters())]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (BATCH, SEQ), generator=g)
     for i in range(WARMUP):
