@@ -16,9 +16,9 @@ import functools
 
 import pytest
 import torch
+from helpers import build
 from torch.utils.checkpoint import checkpoint
 
-from helpers import build
 from yafsdp_cli import ConversionError, convert_module, plan, spec_from_module
 from yafsdp_cli.engine.flat import flat_handle
 from yafsdp_cli.engine.inputs import make_input, projection_loss
