@@ -48,6 +48,17 @@ InputShapeOpt = Annotated[
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the inputs and the loss.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda.")]
+CheckpointingOpt = Annotated[
+    str,
+    typer.Option(
+        "--checkpointing",
+        help="Activation checkpointing of every unit on both models: none | reentrant | "
+        "non-reentrant (transformers models through gradient_checkpointing_enable).",
+    ),
+]
+CompileOpt = Annotated[
+    bool, typer.Option("--compile", help="torch.compile both models (inductor) and compare.")
+]
 FormatOpt = Annotated[str, typer.Option("--format", help="table | json | markdown.")]
 
 
@@ -97,6 +108,8 @@ def verify_command(
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     top: Annotated[int, typer.Option("--top", min=1, help="Worst tensors to list.")] = 10,
+    checkpointing: CheckpointingOpt = "none",
+    compile_: CompileOpt = False,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
 ) -> None:
@@ -128,6 +141,8 @@ def verify_command(
             seed=seed,
             device=device,
             top=top,
+            checkpointing=checkpointing,
+            compile=compile_,
         )
         report = verify_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if is_primary():

@@ -137,8 +137,13 @@ class ShardedFlat:
         comm,
         *,
         on_grad_buffer: Callable[[torch.Tensor], None] | None = None,
+        reshard_after_forward: bool = True,
     ):
         self.flat, self.comm, self.module = flat, comm, flat.module
+        # False keeps each unit gathered from its forward to the end of backward (as
+        # FSDP2's reshard_after_forward=False): a torch.compile'd backward reads the
+        # parameters before a per-unit hook could gather them again.
+        self.reshard_after_forward = reshard_after_forward
         self.on_grad_buffer = on_grad_buffer  # sees each whole gradient before it is reduced
         self.shards: list[nn.Parameter] = []
         self._gathered: set[int] = set()
@@ -179,7 +184,7 @@ class ShardedFlat:
             if unit:
                 self._check_owners(unit, mod, idxs)
             self._hooks.append(mod.register_forward_pre_hook(self._gather_hook(idxs)))
-            if unit:
+            if unit and self.reshard_after_forward:
                 self._hooks.append(mod.register_forward_hook(self._after_forward_hook(idxs)))
 
     def _check_owners(self, unit: str, mod: nn.Module, idxs: list[int]) -> None:
@@ -195,6 +200,8 @@ class ShardedFlat:
                     )
 
     def _gather_hook(self, idxs):
+        # Collectives and storage resizes run eagerly, outside any torch.compile graph.
+        @torch.compiler.disable
         def hook(_module, _args) -> None:
             for i in idxs:
                 self.gather(i)
@@ -202,6 +209,7 @@ class ShardedFlat:
         return hook
 
     def _after_forward_hook(self, idxs):
+        @torch.compiler.disable
         def hook(_module, _args, output) -> None:
             for i in idxs:
                 self._release(i)
@@ -317,6 +325,19 @@ class ShardedFlat:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def mirror_graph_breaks(module: nn.Module, layout) -> None:
+    """Give an unsharded ``module`` the graph breaks ``ShardedFlat`` puts in a sharded
+    one (an eager pre-hook on the root and on every unit with a flat buffer), so that
+    ``torch.compile`` splits both into the same graphs and fuses the same kernels."""
+
+    @torch.compiler.disable
+    def hook(_module, _args) -> None:
+        return None
+
+    for unit in dict.fromkeys(b.unit for b in layout.buffers):
+        (module.get_submodule(unit) if unit else module).register_forward_pre_hook(hook)
 
 
 def _wants_grad(t) -> bool:

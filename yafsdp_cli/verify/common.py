@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ..engine.idioms import apply_checkpointing, check_checkpointing, compiled
 from ..engine.layout import Layout, round_up
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
@@ -87,9 +88,12 @@ class VerifyOptions:
     seed: int = 0
     device: str = "cpu"
     top: int = 10  # worst tensors to report
+    checkpointing: str = "none"  # none | reentrant | non-reentrant, on both models
+    compile: bool = False  # torch.compile both models
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer)
+        check_checkpointing(self.checkpointing)
         for name in ("steps", "micro_batches", "world_size", "batch", "seq_len"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")
@@ -234,6 +238,18 @@ def plan_for(module: nn.Module, opts: VerifyOptions, world_size: int) -> Layout:
         world_size=world_size,
         align=opts.align,
     )
+
+
+def with_idioms(module: nn.Module, layout: Layout, opts: VerifyOptions):
+    """Apply ``--checkpointing`` to ``module`` (one of the two models, after the deep
+    copy) and return what runs its forward (``--compile``'s compiled module or itself)
+    with what was done, in words."""
+    done = apply_checkpointing(module, opts.checkpointing, layout.units)
+    words = [f"activation checkpointing: {done} (both models)"] if done else []
+    if opts.compile:
+        words.append("torch.compile (inductor) of both models")
+        return compiled(module), words
+    return module, words
 
 
 def micro_seed(opts: VerifyOptions, step: int, micro: int, rank: int = 0) -> int:

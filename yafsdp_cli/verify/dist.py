@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.flat import convert_module
-from ..engine.sharded import DistComm, ShardedFlat
+from ..engine.sharded import DistComm, ShardedFlat, mirror_graph_breaks
 from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
 from ..errors import YafsdpError
 from .common import (
@@ -55,6 +55,7 @@ from .common import (
     prepare,
     rank_memory,
     resolve_tolerances,
+    with_idioms,
     with_world_size,
 )
 
@@ -66,6 +67,12 @@ SGD_NOTE = (
     "parameter can change the last bit of an update, and later steps amplify it; AdamW and "
     "Adam have no such tail; shards and parameters whose sizes are multiples of 64 elements "
     "avoid it"
+)
+COMPILE_NOTE = (
+    "--compile on several ranks: each unit stays gathered from its forward to the end of "
+    "backward (FSDP2's reshard_after_forward=False), since a compiled backward reads its "
+    "parameters before a per-unit hook could gather them again; the original gets the "
+    "same graph breaks (an eager hook per unit), so both compile to the same graphs"
 )
 BUFFERS_NOTE = (
     "module buffers (BatchNorm statistics) are not compared across ranks: each rank "
@@ -187,17 +194,26 @@ def verify_this_rank(loaded, opts: VerifyOptions) -> VerifyReport:
 def run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyReport:
     original, rank = prep.original, comm.rank
     twin = copy.deepcopy(original)
-    sharded = ShardedFlat(convert_module(twin, prep.layout), comm)
+    run_original, idiom_notes = with_idioms(original, prep.layout, opts)
+    run_twin, _ = with_idioms(twin, prep.layout, opts)
+    # under --compile units stay gathered through backward (see ShardedFlat)
+    flat = convert_module(twin, prep.layout)
+    sharded = ShardedFlat(flat, comm, reshard_after_forward=not opts.compile)
+    if opts.compile:
+        mirror_graph_breaks(original, prep.layout)
+        idiom_notes = [*idiom_notes, COMPILE_NOTE]
     tols = resolve_tolerances(opts.device, opts.atol, opts.rtol)
     outputs, tensors = Recorder(tols), Recorder(tols)
     ref_opt = make_optimizer(opts.optimizer, original.parameters())
     opt = make_optimizer(opts.optimizer, sharded.parameters())
     memory = None
     for step in range(opts.steps):
-        ref_grads, ref_outs = reference_step(original, opts, step, rank, comm.world_size)
+        ref_grads, ref_outs = reference_step(
+            original, run_original, opts, step, rank, comm.world_size
+        )
         for m in range(opts.micro_batches):
             seed = micro_seed(opts, step, m, rank)
-            got = forward_backward(twin, batch_for(original, opts, seed), seed)
+            got = forward_backward(run_twin, batch_for(original, opts, seed), seed)
             sharded.finish_backward()
             outputs.compare(
                 "output", f"output (rank {rank}, micro-batch {m})", step, got, ref_outs[m]
@@ -215,10 +231,10 @@ def run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyRepor
         )
         original.zero_grad(set_to_none=True)
         sharded.zero_grad()
-    return _merge(prep, opts, comm, outputs, tensors, memory)
+    return _merge(prep, opts, comm, outputs, tensors, memory, idiom_notes)
 
 
-def reference_step(model, opts: VerifyOptions, step: int, rank: int, world: int):
+def reference_step(model, run, opts: VerifyOptions, step: int, rank: int, world: int):
     """The original over every rank's micro-batches; gradients by name, and this
     rank's outputs. Per micro-batch the ranks' gradients are summed in rank order
     (``None`` as zeros, ``None`` if no rank has one), then accumulated."""
@@ -230,7 +246,7 @@ def reference_step(model, opts: VerifyOptions, step: int, rank: int, world: int)
         for r in range(world):
             model.zero_grad(set_to_none=True)
             seed = micro_seed(opts, step, m, r)
-            out = forward_backward(model, batch_for(model, opts, seed), seed)
+            out = forward_backward(run, batch_for(model, opts, seed), seed)
             if r == rank:
                 outs.append(out)
             for p in params:
@@ -273,7 +289,7 @@ def _rank_memory(rank, twin, sharded: ShardedFlat, opt, prep: Prepared, opts: Ve
     return rank_memory(rank, held_bytes(groups, r), prep.layout, opts.optimizer, r, no_grad)
 
 
-def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, memory):
+def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, memory, notes):
     """Every rank's outputs, rank 0's gradients and parameters (the same on every
     rank: they are gathered), every rank's memory; the same report everywhere."""
     parts: list = [None] * comm.world_size
@@ -282,7 +298,7 @@ def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, mem
     for other, _ in parts:
         merged.merge(other)
     memories = tuple(m for _, m in parts)
-    notes = [BUFFERS_NOTE]
+    notes = [*notes, BUFFERS_NOTE]
     half = any(b.dtype in ("bfloat16", "float16") for b in prep.layout.buffers)
     if opts.optimizer == "sgd" and half:
         notes.append(SGD_NOTE)

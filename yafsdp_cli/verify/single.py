@@ -23,12 +23,15 @@ from .common import (
     rank_memory,
     resolve_tolerances,
     unused_kept,
+    with_idioms,
 )
 
 
 def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     original = prep.original
     twin = copy.deepcopy(original)
+    run_original, notes = with_idioms(original, prep.layout, opts)
+    run_twin, _ = with_idioms(twin, prep.layout, opts)
     flat = convert_module(twin, prep.layout)
     rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
     ref_opt = make_optimizer(opts.optimizer, original.parameters())
@@ -38,8 +41,8 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
         for m in range(opts.micro_batches):
             seed = micro_seed(opts, step, m)
             batch = batch_for(original, opts, seed)
-            want = forward_backward(original, batch, seed)
-            got = forward_backward(twin, batch, seed)
+            want = forward_backward(run_original, batch, seed)
+            got = forward_backward(run_twin, batch, seed)
             rec.compare("output", f"output (micro-batch {m})", step, got, want)
         rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
         for o in (ref_opt, opt):
@@ -52,7 +55,7 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
         original.zero_grad(set_to_none=True)
         flat.zero_grad()
     flat.check_padding()
-    return build_report(prep, opts, rec, (memory,), backend="")
+    return build_report(prep, opts, rec, (memory,), backend="", extra_notes=notes)
 
 
 def _single_memory(flat: FlatModel, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
