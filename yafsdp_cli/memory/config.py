@@ -37,7 +37,7 @@ class MemoryConfig:
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
         if self.round_bytes < 1:
-            raise YafsdpError(f"round_bytes must be at least 1, got {self.round_bytes}")
+            raise YafsdpError(f"--round-bytes must be at least 1, got {self.round_bytes}")
 
     def master_for(self, dtype: str) -> bool:
         if dtype == "float32" or not dtypes.is_floating(dtype):

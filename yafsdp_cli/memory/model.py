@@ -200,10 +200,15 @@ def assumptions(report: MemoryReport) -> tuple[str, ...]:
             f"master weights{auto}: a float32 copy of every trainable {which} parameter, "
             "whose optimizer states are then float32 too"
         )
-    lines = [
-        f"figures are bytes per rank; every tensor allocation is rounded up to "
+    rounding = (
+        "figures are exact storage bytes per rank, no allocator rounding (--round-bytes 1)"
+        if cfg.round_bytes == 1
+        else f"figures are bytes per rank; every tensor allocation is rounded up to "
         f"{cfg.round_bytes} bytes (CUDA caching allocator), so per-parameter schemes pay "
-        "it per tensor and flat buffers once per buffer",
+        "it per tensor and flat buffers once per buffer"
+    )
+    lines = [
+        rounding,
         f"gradients {grad}, one per trainable parameter",
         f"optimizer {cfg.optimizer}: {states} state(s) per trainable element",
         master,
