@@ -39,12 +39,33 @@ CONFIGS = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
+    # larger ones for benchmarks/bench_fsdp2.py (the README's table)
+    "llama-bench": lambda: tf.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "mixtral-bench": lambda: tf.MixtralConfig(
+        vocab_size=1000,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
 }
 MODEL_CLASSES = {
     "llama": tf.LlamaForCausalLM,
+    "llama-bench": tf.LlamaForCausalLM,
     "gpt2": tf.GPT2LMHeadModel,
     "mixtral": tf.MixtralForCausalLM,
     "mixtral48": tf.MixtralForCausalLM,
+    "mixtral-bench": tf.MixtralForCausalLM,
 }
 
 

@@ -42,9 +42,9 @@ JOBS = (
 def folders(tmp_path_factory):
     """A config-only Hugging Face folder per model: inspect builds it on meta."""
     out = {}
-    for name, config in CONFIGS.items():
+    for name in {job.model for job in JOBS}:
         path = tmp_path_factory.mktemp(name)
-        config().save_pretrained(path)
+        CONFIGS[name]().save_pretrained(path)
         out[name] = load_source(path)
     return out
 
