@@ -29,6 +29,15 @@ CONFIGS = {
     "llama": lambda: tiny_config("llama"),
     "gpt2": lambda: tiny_config("gpt2"),
     "mixtral": lambda: tiny_config("mixtral"),
+    "qwen2": lambda: tf.Qwen2Config(  # tied, with q/k/v biases
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "mixtral48": lambda: tf.MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=48,
@@ -64,6 +73,7 @@ MODEL_CLASSES = {
     "llama-bench": tf.LlamaForCausalLM,
     "gpt2": tf.GPT2LMHeadModel,
     "mixtral": tf.MixtralForCausalLM,
+    "qwen2": tf.Qwen2ForCausalLM,
     "mixtral48": tf.MixtralForCausalLM,
     "mixtral-bench": tf.MixtralForCausalLM,
 }

@@ -3,7 +3,8 @@
 For world sizes 2, 3 and 8, one launch each (ranks forked from a forkserver that has
 imported torch and transformers once; see ``fsdp2_ranks``) runs real ``fully_shard``
 on every decoder block and the root over gloo, one AdamW step, on a transformers
-Llama, a tied GPT-2 and two Mixtrals with fused experts (4 experts, hidden 32 and 48),
+Llama, a tied GPT-2, a tied Qwen2 and two Mixtrals with fused experts (4 experts,
+hidden 32 and 48),
 in float32, under ``MixedPrecisionPolicy(param_dtype=bfloat16)`` and in pure
 bfloat16, and again with the ``shard_placement_fn`` inspect recommends. Every rank's
 parameter, gradient and AdamW storage bytes must equal inspect's per-rank figures
@@ -33,6 +34,7 @@ JOBS = (
     Job("gpt2", "float32", mixed=False),  # tied wte / lm_head
     Job("mixtral", "float32", mixed=False),
     Job("mixtral48", "float32", mixed=False),
+    Job("qwen2", "float32", mixed=False),  # tied, biases
     Job("llama", "bfloat16", mixed=True),  # float32 shards, bfloat16 gathered
     Job("mixtral48", "bfloat16", mixed=False),  # bfloat16 shards and states
 )
