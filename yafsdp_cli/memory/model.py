@@ -253,5 +253,6 @@ def _fsdp_assumption(report: MemoryReport) -> str:
         "padded to the largest chunk on every rank, optimizer states on the rank's own rows; "
         "with master weights the shards stay float32 (MixedPrecisionPolicy gathers the "
         "training dtype) and no other copy is kept; gathered: the root unit (not resharded "
-        "after forward) and two of the largest other unit; one reduce-scatter input"
+        "after forward) and two of the largest other unit; one reduce-scatter input; "
+        "parameters the filters leave out stay whole (as fully_shard's ignored_params)"
     )
