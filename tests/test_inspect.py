@@ -74,7 +74,7 @@ def test_every_source_in_every_format(kind, fmt):
 
 def test_table_names_the_largest_unit_and_every_scheme():
     out = invoke(LLAMA, "-n", "8").stdout
-    for word in ("DDP", "yafsdp", "ZeRO-2*", "ZeRO-3*", "FSDP*", "largest unit: model.layers.0"):
+    for word in ("DDP", "yafsdp", "ZeRO-2*", "ZeRO-3*", "FSDP2", "largest unit: model.layers.0"):
         assert word in out
     assert "shards" in out and "padding" in out
 
@@ -125,6 +125,7 @@ def test_json_contract_on_tied_gpt():
         "optimizer": "adamw",
         "master_weights": None,
         "round_bytes": 512,
+        "fsdp_placement": "dim0",
     }
 
 

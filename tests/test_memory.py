@@ -37,9 +37,8 @@ def tiny(**record_kw) -> ModelSpec:
 def report(world_size: int, align: str = "yafsdp", spec: ModelSpec | None = None, **cfg):
     spec = spec or tiny()
     layout = plan(spec, world_size=world_size, align=align)
-    fsdp = plan(spec, world_size=world_size, align="fsdp")
     cfg.setdefault("round_bytes", 1)
-    return estimate_memory(layout, MemoryConfig(**cfg), fsdp_layout=fsdp)
+    return estimate_memory(layout, MemoryConfig(**cfg))
 
 
 def parts(m) -> tuple[int, ...]:
@@ -75,8 +74,11 @@ def test_references_by_hand_at_world_size_2():
     assert parts(zero2) == (18688, 9344, 37120, 18432, 128, 0, 0)
     # ZeRO-3: everything halved; one gathered block and its gradients
     assert parts(zero3) == (9344, 9344, 37120, 18432, 128, 8192, 8192)
-    # FSDP: the flat scheme, two gathered blocks, one gradient buffer
-    assert parts(fsdp) == (9344, 9344, 37120, 18432, 128, 16384, 8192)
+    # FSDP2: every parameter halves on dim 0; under mixed precision the shards are
+    # float32 (4608 bf16 elements -> 18432 bytes, + 128 of the fp32 norm) and there is
+    # no other copy; gathered: the root unit (emb 2048 + norm 256 bytes, kept through
+    # the step) and two blocks (8192 each); one block's gradients reduce-scattered
+    assert parts(fsdp) == (18560, 18560, 37120, 0, 128, 2304 + 16384, 8192)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
@@ -156,7 +158,7 @@ def test_bad_config_is_an_error():
         MemoryConfig(optimizer="lamb")
     with pytest.raises(YafsdpError, match="unknown dtype 'fp12'"):
         MemoryConfig(grad_dtype="fp12")
-    with pytest.raises(YafsdpError, match="round_bytes must be at least 1"):
+    with pytest.raises(YafsdpError, match="--round-bytes must be at least 1"):
         MemoryConfig(round_bytes=0)
 
 

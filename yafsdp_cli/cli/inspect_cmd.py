@@ -19,6 +19,7 @@ from .common import (
     WorldSizeOpt,
     check_format,
     errors_to_exit,
+    stderr,
     stdout,
 )
 
@@ -64,6 +65,23 @@ def inspect_command(
             show_default=False,
         ),
     ] = None,
+    fsdp_placement: Annotated[
+        str,
+        typer.Option(
+            "--fsdp-placement",
+            help="dim0 | auto: what the FSDP2 column models; dim0 is fully_shard's default, "
+            "auto uses Shard(1) where dim 0 splits unevenly and dim 1 evenly.",
+        ),
+    ] = "dim0",
+    round_bytes: Annotated[
+        int,
+        typer.Option(
+            "--round-bytes",
+            help="Allocator rounding of every tensor, in bytes (512: CUDA; 1: exact storage "
+            "bytes, as on the CPU).",
+            metavar="BYTES",
+        ),
+    ] = 512,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
     json_out: JsonOpt = False,
@@ -91,6 +109,8 @@ def inspect_command(
             grad_dtype=grad_dtype,
             optimizer=optimizer,
             master_weights=master_weights,
+            round_bytes=round_bytes,
+            fsdp_placement=fsdp_placement,
             model=model,
         )
         _render(report, fmt, show_all)
@@ -101,6 +121,8 @@ def _render(report, fmt: str, show_all: bool) -> None:
 
     if fmt == "json":
         sys.stdout.write(view.to_json(report) + "\n")
+        if warning := view.warning_line(report):
+            stderr.print(warning, markup=False, highlight=False)
     elif fmt == "markdown":
         sys.stdout.write(view.to_markdown(report, show_all=show_all))
     else:

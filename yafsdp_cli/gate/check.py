@@ -45,6 +45,7 @@ INPUT_KEYS = {
     "optimizer": "optimizer",
     "master_weights": "master_weights",
     "round_bytes": "round_bytes",
+    "fsdp_placement": "fsdp_placement",
 }
 
 

@@ -26,6 +26,7 @@ from ..engine.plan import plan
 from ..engine.records import ModelSpec, TensorRecord
 from ..engine.units import ROOT
 from ..errors import FilterError, SourceError
+from ..memory.fsdp2 import RankGroup, UnevenSplit, check_placement
 from ..memory.model import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
 
 SCHEMA = "yafsdp.inspect/1"
@@ -47,6 +48,7 @@ class InspectInputs:
     optimizer: str
     master_weights: bool | None  # None: auto (on for 16-bit parameters)
     round_bytes: int
+    fsdp_placement: str  # "dim0" (fully_shard's default) or "auto" (Shard(1) where better)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class SchemeMemory:
     total: int
     savings_bytes: int  # baseline total - this total
     savings_percent: float
+    ranks: tuple[RankGroup, ...]  # distinct groups of ranks; one group where all are alike
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,8 @@ class MemorySummary:
     largest_unit: str
     largest_unit_bytes: int
     schemes: tuple[SchemeMemory, ...]  # ddp, yafsdp, zero2, zero3, fsdp
+    fsdp_placement: str
+    fsdp_uneven: UnevenSplit | None  # FSDP2's dim-0 split is >5% above even: the remedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,7 @@ def inspect_model(
     optimizer: str = "adamw",
     master_weights: bool | None = None,
     round_bytes: int = 512,
+    fsdp_placement: str = "dim0",
     model: str | None = None,
 ) -> InspectReport:
     """Plan ``loaded`` (a ``sources.LoadedModel``) and estimate its per-rank memory.
@@ -199,10 +205,10 @@ def inspect_model(
         round_bytes=round_bytes,
     )
     align_spec = parse_align(align)
+    check_placement(fsdp_placement)
     kwargs = dict(filters=filters, excludes=excludes, units=units or None, world_size=world_size)
     layout = plan(spec, **kwargs, align=align_spec)
-    fsdp_layout = plan(spec, **kwargs, align="fsdp")
-    memory = estimate_memory(layout, cfg, fsdp_layout=fsdp_layout)
+    memory = estimate_memory(layout, cfg, fsdp_placement=fsdp_placement)
     inputs = InspectInputs(
         source=spec.source,
         model=model,
@@ -216,6 +222,7 @@ def inspect_model(
         optimizer=optimizer,
         master_weights=master_weights,
         round_bytes=round_bytes,
+        fsdp_placement=fsdp_placement,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
     return InspectReport(
@@ -328,8 +335,11 @@ def _signature(b: BufferLayout) -> tuple:
     return (b.dtype, b.requires_grad, b.padded_numel, entries)
 
 
-def _scheme(m: MemoryBreakdown, baseline: MemoryBreakdown) -> SchemeMemory:
+def _scheme(
+    m: MemoryBreakdown, baseline: MemoryBreakdown, n: int, ranks: tuple[RankGroup, ...] = ()
+) -> SchemeMemory:
     saved = baseline.total - m.total
+    alike = RankGroup((0, n - 1), m.params, m.grads, m.optimizer, m.master, m.buffers, m.persistent)
     return SchemeMemory(
         scheme=m.scheme,
         params=m.params,
@@ -343,12 +353,15 @@ def _scheme(m: MemoryBreakdown, baseline: MemoryBreakdown) -> SchemeMemory:
         total=m.total,
         savings_bytes=saved,
         savings_percent=100.0 * saved / baseline.total if baseline.total else 0.0,
+        ranks=ranks or (alike,),
     )
 
 
 def _memory_summary(report: MemoryReport) -> MemorySummary:
+    n, base = report.world_size, report.baseline
     schemes = tuple(
-        _scheme(m, report.baseline) for m in (report.baseline, report.flat, *report.references)
+        _scheme(m, base, n, report.fsdp2.ranks if m.scheme == "fsdp" else ())
+        for m in (base, report.flat, *report.references)
     )
     return MemorySummary(
         baseline_bytes=report.baseline.total,
@@ -358,6 +371,8 @@ def _memory_summary(report: MemoryReport) -> MemorySummary:
         largest_unit=report.largest_unit,
         largest_unit_bytes=report.largest_unit_bytes,
         schemes=schemes,
+        fsdp_placement=report.fsdp2.placement,
+        fsdp_uneven=report.fsdp2.uneven,
     )
 
 

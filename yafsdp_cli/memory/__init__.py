@@ -1,11 +1,25 @@
 """The per-rank memory model: what each rank holds under each scheme.
 
 Owns the bytes of parameters, gradients, optimizer states and communication
-buffers per rank for DDP, ZeRO-2/3, FSDP and the flat layout (``model``), computed
-from a ``Layout`` and a ``MemoryConfig`` with no torch. It may import ``engine``,
-``errors`` and ``fileio``; inspect, verify, profiling and the gate import it.
+buffers per rank for DDP, ZeRO-2/3 and the flat layout (``model``), and FSDP2's
+per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
+a ``MemoryConfig`` (``config``) with no torch. It may import ``engine``, ``errors``
+and ``fileio``; inspect, verify, profiling and the gate import it.
 """
 
-from .model import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
+from .config import MemoryBreakdown, MemoryConfig
+from .fsdp2 import Fsdp2Memory, RankGroup, UnevenSplit, persistent_by_rank, rank_groups
+from .model import MemoryReport, assumptions, estimate_memory
 
-__all__ = ["MemoryBreakdown", "MemoryConfig", "MemoryReport", "assumptions", "estimate_memory"]
+__all__ = [
+    "Fsdp2Memory",
+    "MemoryBreakdown",
+    "MemoryConfig",
+    "MemoryReport",
+    "RankGroup",
+    "UnevenSplit",
+    "assumptions",
+    "estimate_memory",
+    "persistent_by_rank",
+    "rank_groups",
+]

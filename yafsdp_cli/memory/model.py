@@ -21,9 +21,9 @@ pay it once per buffer. Assumptions, stated in every report:
 
 Reference schemes: ``zero2`` (gradients, states, master sharded; parameters
 whole), ``zero3`` (everything sharded evenly, no padding; one all-gather buffer
-and one unsharded gradient buffer the size of the largest unit), and ``fsdp`` (the
-flat scheme with FSDP1 alignment: two gathered units, current and prefetched, and
-one unsharded gradient buffer).
+and one unsharded gradient buffer the size of the largest unit), and ``fsdp``:
+what PyTorch FSDP2's ``fully_shard`` allocates on its fullest rank, parameter by
+parameter (see ``fsdp2`` and its note; checked against real FSDP2 on gloo).
 
 Not counted anywhere: activations, temporaries, the optimizer's per-tensor
 ``step`` counters (0-d, on the CPU unless ``fused``/``capturable``), communication
@@ -33,69 +33,26 @@ library workspaces and allocator fragmentation beyond the rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from ..engine import dtypes
 from ..engine.layout import Layout, round_up
-from ..errors import YafsdpError
+from .config import (
+    OPTIMIZER_STATES,
+    MemoryBreakdown,
+    MemoryConfig,
+    Optimizer,
+    TensorSize,
+    add_parts,
+    buffer_bytes,
+    tensors_of_layout,
+    whole_bytes,
+)
+from .fsdp2 import Fsdp2Memory, fsdp2_memory
 
-Optimizer = Literal["adamw", "adam", "sgd", "none"]
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 GATHER_BUFFERS = 2  # current unit + prefetched next unit
 REDUCE_BUFFERS = 2  # current unit + the one whose reduce-scatter is in flight
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryConfig:
-    grad_dtype: str | None = None  # None: each parameter's dtype
-    optimizer: Optimizer = "adamw"
-    master_weights: bool | None = None  # None: auto, on for 16-bit parameters
-    round_bytes: int = 512
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise YafsdpError(
-                f"--optimizer {self.optimizer!r} is not one of {'|'.join(OPTIMIZER_STATES)}"
-            )
-        if self.grad_dtype is not None:
-            object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
-        if self.round_bytes < 1:
-            raise YafsdpError(f"round_bytes must be at least 1, got {self.round_bytes}")
-
-    def master_for(self, dtype: str) -> bool:
-        if dtype == "float32" or not dtypes.is_floating(dtype):
-            return False
-        if self.master_weights is None:
-            return dtypes.itemsize(dtype) <= 2
-        return self.master_weights
-
-    def state_itemsize(self, dtype: str) -> int:
-        return 4 if self.master_for(dtype) else dtypes.itemsize(dtype)
-
-    def grad_itemsize(self, dtype: str) -> int:
-        return dtypes.itemsize(self.grad_dtype or dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryBreakdown:
-    """Bytes one rank holds under one scheme."""
-
-    scheme: str  # "ddp", "yafsdp", "zero2", "zero3", "fsdp"
-    params: int
-    grads: int
-    optimizer: int
-    master: int
-    buffers: int
-    gather: int  # transient: all-gathered parameters of the units in flight
-    reduce: int  # transient: unsharded gradients awaiting reduce-scatter
-
-    @property
-    def persistent(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master + self.buffers
-
-    @property
-    def total(self) -> int:
-        return self.persistent + self.gather + self.reduce
+__all__ = ["MemoryBreakdown", "MemoryConfig", "MemoryReport", "Optimizer", "estimate_memory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +61,10 @@ class MemoryReport:
     world_size: int
     baseline: MemoryBreakdown  # ddp
     flat: MemoryBreakdown  # yafsdp, the layout given
-    references: tuple[MemoryBreakdown, ...]  # zero2, zero3, fsdp
+    references: tuple[MemoryBreakdown, ...]  # zero2, zero3, fsdp (FSDP2's fullest rank)
     largest_unit: str  # "" is the root unit
     largest_unit_bytes: int  # its parameters, all dtypes, padded
+    fsdp2: Fsdp2Memory  # the fsdp column rank by rank, and the uneven-split warning
 
     @property
     def savings_bytes(self) -> int:
@@ -115,41 +73,6 @@ class MemoryReport:
     @property
     def savings_percent(self) -> float:
         return 100.0 * self.savings_bytes / self.baseline.total if self.baseline.total else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Tensor:
-    numel: int
-    dtype: str
-    trainable: bool
-
-
-def _tensors_of_layout(layout: Layout) -> tuple[list[_Tensor], list[_Tensor], list[_Tensor]]:
-    """(converted params, kept params, module buffers) as plain sizes."""
-    converted = [
-        _Tensor(e.numel, e.dtype, b.requires_grad) for b in layout.buffers for e in b.entries
-    ]
-    kept = [
-        _Tensor(t.numel, t.dtype, t.requires_grad and t.floating) for t in layout.kept if t.is_param
-    ]
-    bufs = [_Tensor(t.numel, t.dtype, False) for t in layout.kept if not t.is_param]
-    return converted, kept, bufs
-
-
-def _whole(tensors: list[_Tensor], cfg: MemoryConfig) -> dict[str, int]:
-    """Per-tensor allocations (DDP): each parameter, gradient and state on its own."""
-    r = cfg.round_bytes
-    out = dict(params=0, grads=0, optimizer=0, master=0)
-    for t in tensors:
-        out["params"] += round_up(t.numel * dtypes.itemsize(t.dtype), r)
-        if not t.trainable:
-            continue
-        out["grads"] += round_up(t.numel * cfg.grad_itemsize(t.dtype), r)
-        states = OPTIMIZER_STATES[cfg.optimizer]
-        out["optimizer"] += states * round_up(t.numel * cfg.state_itemsize(t.dtype), r)
-        if cfg.master_for(t.dtype):
-            out["master"] += round_up(t.numel * 4, r)
-    return out
 
 
 def _sharded_buffer(numel: int, dtype: str, trainable: bool, cfg: MemoryConfig, with_params=True):
@@ -168,11 +91,6 @@ def _sharded_buffer(numel: int, dtype: str, trainable: bool, cfg: MemoryConfig, 
     return out
 
 
-def _add(*parts: dict[str, int]) -> dict[str, int]:
-    keys = ("params", "grads", "optimizer", "master")
-    return {k: sum(p.get(k, 0) for p in parts) for k in keys}
-
-
 def _unit_bytes(layout: Layout, cfg: MemoryConfig, grads: bool) -> dict[str, int]:
     """Unsharded bytes of each unit's buffers (parameters, or their gradients)."""
     out: dict[str, int] = {}
@@ -185,54 +103,59 @@ def _unit_bytes(layout: Layout, cfg: MemoryConfig, grads: bool) -> dict[str, int
 
 
 def estimate_memory(
-    layout: Layout, cfg: MemoryConfig | None = None, *, fsdp_layout: Layout | None = None
+    layout: Layout, cfg: MemoryConfig | None = None, *, fsdp_placement: str = "dim0"
 ) -> MemoryReport:
-    """Per-rank bytes for DDP, the flat layout, and ZeRO-2/ZeRO-3/FSDP references.
+    """Per-rank bytes for DDP, the flat layout, and ZeRO-2/ZeRO-3/FSDP2 references.
 
-    ``fsdp_layout`` is the same selection planned with ``align="fsdp"`` (the
-    caller plans it; without it the FSDP row uses ``layout`` itself).
+    The ``fsdp`` reference is FSDP2's fullest rank (``fsdp2.fsdp2_memory``) with
+    ``fsdp_placement`` ``"dim0"`` (what ``fully_shard`` does by default) or
+    ``"auto"`` (``Shard(1)`` where dim 0 splits badly).
     """
     cfg = cfg or MemoryConfig()
     n = layout.world_size
-    converted, kept, bufs = _tensors_of_layout(layout)
-    buffers = sum(round_up(t.numel * dtypes.itemsize(t.dtype), cfg.round_bytes) for t in bufs)
+    converted, kept, bufs = tensors_of_layout(layout)
+    buffers = buffer_bytes(bufs, cfg)
     ddp = MemoryBreakdown(
-        "ddp", **_whole(converted + kept, cfg), buffers=buffers, gather=0, reduce=0
+        "ddp", **whole_bytes(converted + kept, cfg), buffers=buffers, gather=0, reduce=0
     )
     flat = _flat_scheme("yafsdp", layout, kept, cfg, buffers, GATHER_BUFFERS, REDUCE_BUFFERS)
-    fsdp = _flat_scheme("fsdp", fsdp_layout or layout, kept, cfg, buffers, 2, 1)
+    fsdp = fsdp2_memory(layout, cfg, fsdp_placement)
     unit_params = _unit_bytes(layout, cfg, grads=False)
     largest = max(unit_params, key=unit_params.get) if unit_params else ""
     largest_grads = max(_unit_bytes(layout, cfg, grads=True).values(), default=0)
     refs = (
         _zero2(converted, kept, cfg, buffers, n),
         _zero3(converted, kept, cfg, buffers, n, unit_params.get(largest, 0), largest_grads),
-        fsdp,
+        fsdp.fullest,
     )
-    return MemoryReport(cfg, n, ddp, flat, refs, largest, unit_params.get(largest, 0))
+    return MemoryReport(cfg, n, ddp, flat, refs, largest, unit_params.get(largest, 0), fsdp)
 
 
 def _flat_scheme(name, layout, kept, cfg, buffers, n_gather, n_reduce) -> MemoryBreakdown:
     parts = [_sharded_buffer(b.shard_numel, b.dtype, b.requires_grad, cfg) for b in layout.buffers]
-    whole = _whole(kept, cfg)
+    whole = whole_bytes(kept, cfg)
     gather = reduce = 0
     if layout.world_size > 1:
         params, grads = _unit_bytes(layout, cfg, False), _unit_bytes(layout, cfg, True)
         gather = n_gather * max(params.values(), default=0)
         reduce = n_reduce * max(grads.values(), default=0)
     return MemoryBreakdown(
-        name, **_add(*parts, whole), buffers=buffers, gather=gather, reduce=reduce
+        name, **add_parts(*parts, whole), buffers=buffers, gather=gather, reduce=reduce
     )
 
 
 def _zero2(converted, kept, cfg, buffers, n) -> MemoryBreakdown:
     """Parameters whole; gradients, optimizer states and master weights sharded."""
-    params = _whole([_Tensor(t.numel, t.dtype, False) for t in converted], cfg)
+    params = whole_bytes([TensorSize(t.numel, t.dtype, False) for t in converted], cfg)
     shards = [
         _by_dtype_shard(converted, dtype, n, cfg, with_params=False) for dtype in _dtypes(converted)
     ]
     return MemoryBreakdown(
-        "zero2", **_add(params, *shards, _whole(kept, cfg)), buffers=buffers, gather=0, reduce=0
+        "zero2",
+        **add_parts(params, *shards, whole_bytes(kept, cfg)),
+        buffers=buffers,
+        gather=0,
+        reduce=0,
     )
 
 
@@ -242,11 +165,15 @@ def _zero3(converted, kept, cfg, buffers, n, largest_unit, largest_grads) -> Mem
     shards = [_by_dtype_shard(converted, dtype, n, cfg) for dtype in _dtypes(converted)]
     gather, reduce = (largest_unit, largest_grads) if n > 1 else (0, 0)
     return MemoryBreakdown(
-        "zero3", **_add(*shards, _whole(kept, cfg)), buffers=buffers, gather=gather, reduce=reduce
+        "zero3",
+        **add_parts(*shards, whole_bytes(kept, cfg)),
+        buffers=buffers,
+        gather=gather,
+        reduce=reduce,
     )
 
 
-def _dtypes(tensors: list[_Tensor]) -> list[str]:
+def _dtypes(tensors: list[TensorSize]) -> list[str]:
     return list(dict.fromkeys(t.dtype for t in tensors))
 
 
@@ -256,7 +183,7 @@ def _by_dtype_shard(tensors, dtype, n, cfg, with_params=True) -> dict[str, int]:
     parts = [_sharded_buffer(-(-trainable // n), dtype, True, cfg, with_params)]
     if frozen and with_params:
         parts.append(_sharded_buffer(-(-frozen // n), dtype, False, cfg))
-    return _add(*parts)
+    return add_parts(*parts)
 
 
 def assumptions(report: MemoryReport) -> tuple[str, ...]:
@@ -273,10 +200,15 @@ def assumptions(report: MemoryReport) -> tuple[str, ...]:
             f"master weights{auto}: a float32 copy of every trainable {which} parameter, "
             "whose optimizer states are then float32 too"
         )
-    lines = [
-        f"figures are bytes per rank; every tensor allocation is rounded up to "
+    rounding = (
+        "figures are exact storage bytes per rank, no allocator rounding (--round-bytes 1)"
+        if cfg.round_bytes == 1
+        else f"figures are bytes per rank; every tensor allocation is rounded up to "
         f"{cfg.round_bytes} bytes (CUDA caching allocator), so per-parameter schemes pay "
-        "it per tensor and flat buffers once per buffer",
+        "it per tensor and flat buffers once per buffer"
+    )
+    lines = [
+        rounding,
         f"gradients {grad}, one per trainable parameter",
         f"optimizer {cfg.optimizer}: {states} state(s) per trainable element",
         master,
@@ -285,7 +217,8 @@ def assumptions(report: MemoryReport) -> tuple[str, ...]:
     ]
     lines += _sharding_assumptions(report)
     lines.append(
-        "not counted: activations, temporaries, optimizer step counters, communication "
+        "not counted: activations, temporaries, optimizer step counters (one 4-byte "
+        "tensor per parameter, on the host unless fused or capturable), communication "
         "workspaces, fragmentation beyond the rounding"
     )
     return tuple(lines)
@@ -300,8 +233,26 @@ def _sharding_assumptions(report: MemoryReport) -> list[str]:
         f"optimizer states and master weights; unconverted parameters stay whole; "
         f"{GATHER_BUFFERS} all-gather and {REDUCE_BUFFERS} gradient buffers the size of the "
         f"largest unit ({unit}) exist while units compute",
-        "zero2, zero3 and fsdp are reference estimates: zero2 shards gradients and "
+        "zero2 and zero3 are reference estimates: zero2 shards gradients and "
         "optimizer states, parameters whole; zero3 shards everything evenly and holds one "
-        "gathered unit and its gradients; fsdp is the flat scheme with FSDP1 alignment, "
-        "two gathered units and one gradient buffer",
+        "gathered unit and its gradients",
+        _fsdp_assumption(report),
     ]
+
+
+def _fsdp_assumption(report: MemoryReport) -> str:
+    placement = (
+        "Shard(1) where dim 0 splits more than 5% unevenly and dim 1 evenly (--fsdp-placement "
+        "auto), else Shard(0)"
+        if report.fsdp2.placement == "auto"
+        else "Shard(0) (fully_shard's default)"
+    )
+    return (
+        f"fsdp is FSDP2's fullest rank: fully_shard on every unit and the root, each "
+        f"parameter cut by torch.chunk on {placement}; parameter and gradient storage "
+        "padded to the largest chunk on every rank, optimizer states on the rank's own rows; "
+        "with master weights the shards stay float32 (MixedPrecisionPolicy gathers the "
+        "training dtype) and no other copy is kept; gathered: the root unit (not resharded "
+        "after forward) and two of the largest other unit; one reduce-scatter input; "
+        "parameters the filters leave out stay whole (as fully_shard's ignored_params)"
+    )

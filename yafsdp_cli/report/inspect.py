@@ -21,6 +21,7 @@ from .common import (
     section_markdown,
     section_table,
 )
+from .fsdp import fsdp_sections, placement_text, warning_line
 
 ENTRY_HEAD, ENTRY_TAIL = 16, 4  # rows shown of a folded buffer table
 RANK_HEAD, RANK_TAIL = 4, 2  # ranks shown of a folded shard map
@@ -30,7 +31,7 @@ SCHEME_HEADERS = {
     "yafsdp": "yafsdp flat",
     "zero2": "ZeRO-2*",
     "zero3": "ZeRO-3*",
-    "fsdp": "FSDP*",
+    "fsdp": "FSDP2",
 }
 
 
@@ -82,6 +83,7 @@ def sections(report: InspectReport, *, show_all: bool = False) -> list[Section]:
         for i, _ in shown:
             out.append(shard_section(report, i, show_all))
     out.append(memory_section(report))
+    out += fsdp_sections(report)
     return out
 
 
@@ -219,6 +221,7 @@ def memory_section(report: InspectReport) -> Section:
     unit = m.largest_unit or "the root unit"
     caption = (
         f"largest unit: {unit}, {human_bytes(m.largest_unit_bytes)} of parameters; "
+        f"FSDP2: fully_shard's fullest rank ({placement_text(m.fsdp_placement)}); "
         "* reference estimates; GiB = 1024**3"
     )
     headers = ("per rank", *(SCHEME_HEADERS.get(s.scheme, s.scheme) for s in schemes))
@@ -282,4 +285,13 @@ def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
     return out
 
 
-__all__ = ["Section", "payload", "plain", "sections", "to_json", "to_markdown", "to_rich"]
+__all__ = [
+    "Section",
+    "payload",
+    "plain",
+    "sections",
+    "to_json",
+    "to_markdown",
+    "to_rich",
+    "warning_line",
+]
