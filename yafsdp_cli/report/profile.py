@@ -54,6 +54,7 @@ def _step_json(s: StepProfile) -> dict:
         "cuda": s.cuda,
         "ops": s.ops,
         "wall_s": round(s.wall_s, 4),
+        "series": s.series,
     }
 
 
