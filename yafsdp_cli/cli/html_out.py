@@ -24,7 +24,6 @@ HtmlOpt = Annotated[
         "--html",
         help="Also write a self-contained HTML report (layout bars, shards, memory) to FILE.",
         metavar="FILE",
-        dir_okay=False,
     ),
 ]
 HTML_SUFFIXES = (".html", ".htm")
