@@ -217,7 +217,7 @@ def test_an_existing_page_is_replaced_and_parents_are_made(tmp_path):
 
 def test_profile_page_draws_both_steps_to_their_peaks(tmp_path):
     page = tmp_path / "profile.html"
-    argv = ["profile", "--model", "sample_models.models:gpt", "-n", "2", "--json"]
+    argv = ["profile", "--model", "sample_models.models:mlp", "-n", "2", "--json"]
     result = runner.invoke(app, [*argv, "--html", str(page)])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
