@@ -183,7 +183,7 @@ section{background:var(--card);border:1px solid var(--line);border-radius:10px;
 padding:14px 18px;margin:16px 0}
 h2{font-size:16px;margin:0 0 10px}
 h3{font-size:13px;margin:12px 0 6px;color:var(--mute);font-weight:600}
-.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(190px,1fr));gap:10px}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(160px,1fr));gap:10px}
 .card{border:1px solid var(--line);border-radius:8px;padding:8px 12px;background:#fbfcfd}
 .card .k{color:var(--mute);font-size:12px}.card .v{font-size:18px;font-weight:600}
 .card .d{color:var(--mute);font-size:12px}
