@@ -115,7 +115,6 @@ def test_stage_bar_shows_the_stage_on_its_console_after_the_delay(monkeypatch):
     monkeypatch.setattr(StageBar, "DELAY_S", 0.0)
     console, out = tty()
     with StageBar(True, "profile", total=4, console=console) as bar:
-        bar.timer.join()  # the delayed start has happened
         bar("original step", 1, 4)
         bar.bar.refresh()
         assert "profile: original step" in out.getvalue() and "1/4" in out.getvalue()
@@ -130,14 +129,14 @@ def test_bars_stay_off_when_disabled_or_off_a_terminal(monkeypatch):
     pipe = Console(file=io.StringIO())  # not a terminal
     with WaitBar(True, "verify on 2 ranks", console=pipe) as wait:
         assert not wait.enabled
-    assert out.getvalue() == "" and bar.bar is None and not bar.timer.is_alive()
+    assert out.getvalue() == "" and bar.bar is None
 
 
 def test_a_stage_bar_closed_before_its_delay_never_shows():
     console, out = tty()
     with StageBar(True, "profile", total=4, console=console) as bar:
-        pass  # under DELAY_S: a quick run shows no bar
-    bar.timer.join()
+        assert bar.timer.is_alive()  # waiting out DELAY_S
+    bar.timer.join()  # cancelled: a quick run shows no bar
     assert out.getvalue() == "" and bar.bar is None
 
 
@@ -154,3 +153,21 @@ def test_profile_reports_every_stage_in_order():
     )
     n = len(STAGES)
     assert seen == [(s, i, n) for i, s in enumerate(STAGES)] + [("done", n, n)]
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_profile_cli_progress_goes_to_stderr_and_never_under_json(monkeypatch, json_out):
+    from yafsdp_cli.cli import progress
+
+    console, out = tty()
+    monkeypatch.setattr(progress, "stderr", console)  # a terminal on stderr
+    monkeypatch.setattr(StageBar, "DELAY_S", 0.0)
+    argv = ["profile", "--model", "sample_models.models:mlp", *(["--json"] if json_out else [])]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert "profile:" not in result.stdout  # never on stdout
+    if json_out:
+        json.loads(result.stdout)
+        assert out.getvalue() == ""
+    else:
+        assert "profile: " in out.getvalue()

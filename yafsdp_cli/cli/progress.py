@@ -115,7 +115,9 @@ class StageBar:
             self.bar.start()
 
     def __enter__(self) -> StageBar:
-        if self.enabled:
+        if self.enabled and self.DELAY_S <= 0:
+            self._show()
+        elif self.enabled:
             self.timer.start()
         return self
 

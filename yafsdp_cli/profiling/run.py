@@ -130,11 +130,7 @@ def profile_model(loaded, opts: ProfileOptions | None = None, progress=None) -> 
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
     fake_mode = _fake_mode() if opts.fake else None
     with _fake_errors(opts.fake):
-        return _profile(loaded, opts, fake_mode, progress or _no_progress)
-
-
-def _no_progress(stage: str, done: int, total: int) -> None:
-    pass
+        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
 
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:

@@ -175,7 +175,8 @@ def _check_html(result: CheckReport) -> str:
             f'<td class="r">{esc(change)}</td><td>{_pair(m.baseline, m.current, scale)}</td>'
             f"<td>{status}</td></tr>"
         )
-    head = "<tr><th>figure</th><th>baseline</th><th>current</th><th>change</th><th></th><th></th>"
+    head = "<tr><th>figure</th><th>baseline</th><th>current</th><th>change</th>"
+    head += "<th>grey: baseline, blue: current</th><th></th>"
     cls = "pass" if result.passed else "fail"
     return (
         f'<section id="check"><h2>Memory-regression gate</h2>'

@@ -142,8 +142,6 @@ def notes_html(title: str, lines: Sequence[str]) -> str:
 
 def page(title: str, subtitle: str, nav: Sequence[tuple[str, str]], body: str) -> str:
     """The whole document: ``nav`` is (anchor, label) pairs of the page's sections."""
-    from .. import __version__
-
     links = "".join(f'<a href="#{esc(a)}">{esc(label)}</a>' for a, label in nav)
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
@@ -152,7 +150,7 @@ def page(title: str, subtitle: str, nav: Sequence[tuple[str, str]], body: str) -
         f"{DEFS}<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p><nav>{links}"
         '<button type="button" id="expand-all">expand all</button></nav></header>'
         f'<main>{body}</main><div id="tip" hidden></div>'
-        f"<footer>yafsdp {esc(__version__)} &middot; one self-contained file: no network, "
+        "<footer>made by yafsdp &middot; one self-contained file: no network, "
         "no scripts from elsewhere &middot; GiB = 1024<sup>3</sup> bytes</footer>"
         f"<script>{JS}</script></body></html>\n"
     )
