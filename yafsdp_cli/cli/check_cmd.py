@@ -24,6 +24,7 @@ from .common import (
     stderr,
     stdout,
 )
+from .html_out import HtmlOpt, check_html_path, write_html
 
 AS_RECORDED = "Default: as the baseline recorded it."
 
@@ -63,6 +64,7 @@ def check_command(
     trust_pickle: TrustPickleOpt = False,
     json_out: JsonOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a markdown table.")] = False,
+    html: HtmlOpt = None,
 ) -> None:
     """CI memory-regression gate: exit 1 if a per-rank figure grew past --tolerance.
 
@@ -80,6 +82,7 @@ def check_command(
         "optimizer": optimizer,
     }
     with errors_to_exit():
+        check_html_path(html, source, baseline)
         from ..gate.check import baseline_inputs, compare, load_baseline
         from ..inspect.build import inspect_model
         from ..report import inspect as inspect_view
@@ -98,6 +101,7 @@ def check_command(
             stderr.print(
                 f"wrote baseline {baseline} (flat {report.memory.flat_bytes:,} B per rank)"
             )
+            _write_page(html, None, report)
             return
         result = compare(
             doc,
@@ -106,9 +110,17 @@ def check_command(
             baseline_path=str(baseline),
             inputs=inputs,
         )
+        _write_page(html, result, report)  # the CI artifact, written pass or fail
         _render(result, json_out, markdown)
     if not result.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _write_page(html: Path | None, result, report) -> None:
+    if html is not None:
+        from ..report.html import check_page
+
+        write_html(html, check_page(result, report))
 
 
 def _render(result, json_out: bool, markdown: bool) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -22,9 +21,9 @@ from .common import (
     UnitOpt,
     WorldSizeOpt,
     errors_to_exit,
-    stderr,
     stdout,
 )
+from .progress import ProgressBar
 
 OutputOpt = Annotated[
     Path,
@@ -50,50 +49,6 @@ FlatArg = Annotated[
         show_default=False,
     ),
 ]
-
-
-class ProgressBar:
-    """A transient Rich bar on stderr, shown only for work that lasts over a second,
-    and never under --json or when stderr is not a terminal."""
-
-    DELAY_S = 1.0
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and stderr.is_terminal
-        self.start = time.monotonic()
-        self.bar = None
-        self.tasks: dict[str, int] = {}
-        self.last = 0.0
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()  # called per 128 KiB chunk: update ~20 times a second
-        if now - self.start < self.DELAY_S or (now - self.last < 0.05 and done < total):
-            return
-        self.last = now
-        if self.bar is None:
-            from rich.progress import DownloadColumn, Progress, TimeRemainingColumn
-
-            columns = (*Progress.get_default_columns()[:2], DownloadColumn(binary_units=True))
-            self.bar = Progress(
-                *columns,
-                TimeRemainingColumn(),
-                console=stderr,
-                transient=True,
-                auto_refresh=False,  # no refresh thread taking the GIL; we refresh below
-            )
-            self.bar.start()
-        if phase not in self.tasks:
-            self.tasks[phase] = self.bar.add_task(phase, total=total)
-        self.bar.update(self.tasks[phase], completed=done, total=total, refresh=True)
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _print(lines) -> None:

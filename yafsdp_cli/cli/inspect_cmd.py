@@ -22,6 +22,7 @@ from .common import (
     stderr,
     stdout,
 )
+from .html_out import HtmlOpt, check_html_path, write_html
 
 
 @app.command("inspect")
@@ -90,10 +91,12 @@ def inspect_command(
         bool,
         typer.Option("--all", help="Show long tables, shard maps and repeated buffers in full."),
     ] = False,
+    html: HtmlOpt = None,
 ) -> None:
     """Flat-buffer layout and per-rank memory report, baseline vs flat."""
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
+        check_html_path(html, source)
         from ..inspect.build import inspect_model
         from ..sources import load_source
 
@@ -113,6 +116,10 @@ def inspect_command(
             fsdp_placement=fsdp_placement,
             model=model,
         )
+        if html is not None:
+            from ..report.html import inspect_page
+
+            write_html(html, inspect_page(report))
         _render(report, fmt, show_all)
 
 

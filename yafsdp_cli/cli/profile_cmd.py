@@ -21,6 +21,8 @@ from .common import (
     errors_to_exit,
     stdout,
 )
+from .html_out import HtmlOpt, check_html_path, write_html
+from .progress import StageBar
 from .verify_cmd import (
     BatchOpt,
     DeviceOpt,
@@ -70,6 +72,7 @@ def profile_command(
     ] = 3,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
+    html: HtmlOpt = None,
 ) -> None:
     """Measured peak memory of a training step, original vs converted.
 
@@ -78,7 +81,9 @@ def profile_command(
     """
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
+        check_html_path(html, source)
         from ..profiling import ProfileOptions, profile_source
+        from ..profiling.run import STAGES
 
         opts = ProfileOptions(
             optimizer=optimizer,
@@ -97,7 +102,14 @@ def profile_command(
             depth=depth,
             device=device,
         )
-        report = profile_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
+        with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar:
+            report = profile_source(
+                source, model=model, trust_pickle=trust_pickle, opts=opts, progress=bar
+            )
+        if html is not None:
+            from ..report.html import profile_page
+
+            write_html(html, profile_page(report))
         _render(report, fmt)
 
 

@@ -24,6 +24,7 @@ from .common import (
     errors_to_exit,
     stdout,
 )
+from .progress import WaitBar
 
 SourceArg = Annotated[
     str | None,
@@ -122,7 +123,7 @@ def verify_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         from ..verify import VerifyOptions, verify_source
-        from ..verify.dist import is_primary
+        from ..verify.dist import is_primary, launched_by_torchrun
 
         opts = VerifyOptions(
             steps=steps,
@@ -144,7 +145,11 @@ def verify_command(
             checkpointing=checkpointing,
             compile=compile_,
         )
-        report = verify_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
+        # the ranks are other processes: a pulsing bar while they run, none under torchrun
+        waiting = world_size > 1 and fmt != "json" and not launched_by_torchrun()
+        title = f"verify on {world_size} ranks, {steps} steps"
+        with WaitBar(waiting, title):
+            report = verify_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if is_primary():
             _render(report, fmt)
     raise typer.Exit(EXIT_OK if report.ok else EXIT_CHECK_FAILED)

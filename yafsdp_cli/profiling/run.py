@@ -35,9 +35,11 @@ from ..engine.step import (
     step_loss,
 )
 from ..errors import YafsdpError
-from .tracker import Breakdown, ModuleMemory, StorageTracker
+from .tracker import Breakdown, ModuleMemory, PhaseSeries, StorageTracker
 
 SCHEMA = "yafsdp.profile/1"
+# progress(stage, done, total): called as each stage starts (for a progress bar)
+STAGES = ("building the model", "original step", "converting", "converted step")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +89,7 @@ class StepProfile:
     cuda: CudaMemory | None
     ops: int
     wall_s: float
+    series: tuple[PhaseSeries, ...] = ()  # bytes alive through each phase, for charts
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,24 +114,27 @@ class ProfileReport:
         return self.original.peak.total - self.converted_step.peak.total
 
 
-def profile_source(source, *, model=None, trust_pickle=False, opts=None) -> ProfileReport:
+def profile_source(
+    source, *, model=None, trust_pickle=False, opts=None, progress=None
+) -> ProfileReport:
     from ..sources import load_source
 
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-    return profile_model(loaded, opts or ProfileOptions())
+    return profile_model(loaded, opts or ProfileOptions(), progress=progress)
 
 
-def profile_model(loaded, opts: ProfileOptions | None = None) -> ProfileReport:
+def profile_model(loaded, opts: ProfileOptions | None = None, progress=None) -> ProfileReport:
     """Profile ``loaded`` (``sources.load_source``): original, then converted."""
     opts = opts or ProfileOptions()
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
     fake_mode = _fake_mode() if opts.fake else None
     with _fake_errors(opts.fake):
-        return _profile(loaded, opts, fake_mode)
+        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
 
 
-def _profile(loaded, opts: ProfileOptions, fake_mode) -> ProfileReport:
+def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
+    progress(STAGES[0], 0, len(STAGES))
     with _entered(fake_mode):
         module = build_module(loaded, opts, fake_mode)
         module.train()
@@ -143,15 +149,19 @@ def _profile(loaded, opts: ProfileOptions, fake_mode) -> ProfileReport:
     batch = _batch(module, opts, fake_mode)
     rounding = 512 if opts.device == "cuda" else 1
     with _entered(fake_mode):
+        progress(STAGES[1], 1, len(STAGES))
         original = _profile_step(
             "original", module, list(module.parameters()), batch, opts, rounding
         )
+        progress(STAGES[2], 2, len(STAGES))
         flat = convert_module(module, layout)
         sharded = None
         if opts.world_size > 1:
             sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
         params = sharded.parameters() if sharded else flat.parameters()
+        progress(STAGES[3], 3, len(STAGES))
         converted = _profile_step("converted", module, params, batch, opts, rounding, sharded)
+    progress("done", len(STAGES), len(STAGES))
     return ProfileReport(
         source=loaded.spec.source,
         fake=opts.fake,
@@ -295,6 +305,7 @@ def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) 
         cuda=_cuda_peaks(opts.device, cuda_before),
         ops=timeline.ops,
         wall_s=wall,
+        series=timeline.series,
     )
 
 

@@ -42,6 +42,7 @@ from ..engine.layout import round_up
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer")
+SERIES_BUCKETS = 150  # per phase: a series keeps each stretch's lowest and highest total
 _SIZE, _PHASE, _ENTER, _EXIT = 0, 1, 2, 3
 
 
@@ -72,6 +73,19 @@ class ModuleMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class PhaseSeries:
+    """Bytes alive through one phase, for a chart: ``events`` totals were seen (the
+    total when the phase began, then one after each allocation or free); ``points``
+    are ``(index, bytes)`` pairs of them, in order: all of them, or, past
+    ``2 * SERIES_BUCKETS``, the lowest and the highest of each of ``SERIES_BUCKETS``
+    equal stretches, so the phase's peak is always there."""
+
+    phase: str
+    events: int
+    points: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Timeline:
     """A replayed step: the peak and its breakdown, per-phase peaks, per module."""
 
@@ -82,6 +96,7 @@ class Timeline:
     modules: tuple[ModuleMemory, ...]
     ops: int  # dispatched ops seen
     blocks: int  # storages seen
+    series: tuple[PhaseSeries, ...] = ()  # forward, backward, optimizer
 
 
 class StorageTracker(TorchDispatchMode):
@@ -218,6 +233,7 @@ class _Replay:
         self.fwd_peak: dict[str, int] = {}
         self.bwd_peak: dict[str, int] = {}
         self.saved: dict[str, int] = {}
+        self.trace: dict[str, list[int]] = {}  # phase -> totals, for the series
 
     def step(self, ev) -> None:
         kind = ev[0]
@@ -227,6 +243,7 @@ class _Replay:
             if ev[1] == "backward" and self.phase == "forward":
                 self._count_saved()
             self.phase = ev[1]
+            self.trace.setdefault(self.phase, []).append(self.total)
             self._bump_phase()
         elif kind in (_ENTER, _EXIT) and ev[1] in self.wanted:
             active = self.bwd if ev[2] else self.fwd
@@ -241,6 +258,8 @@ class _Replay:
         self.sums[self.cats[i]] += delta
         self.total += delta
         self.alive[i] = self.alive.get(i, 0) + delta
+        if self.phase in self.trace:
+            self.trace[self.phase].append(self.total)
         if delta > 0:
             if self.total > self.peak_total:
                 self.peak_total, self.peak, self.peak_phase = (
@@ -281,4 +300,24 @@ class _Replay:
             modules=modules,
             ops=ops,
             blocks=blocks,
+            series=tuple(
+                PhaseSeries(p, len(self.trace[p]), sample_series(self.trace[p]))
+                for p in PHASES
+                if p in self.trace
+            ),
         )
+
+
+def sample_series(values: list[int], buckets: int = SERIES_BUCKETS) -> tuple[tuple[int, int], ...]:
+    """``(index, value)`` pairs: every value, or the lowest and highest of each of
+    ``buckets`` equal stretches (in index order), so no peak or trough is lost."""
+    if len(values) <= 2 * buckets:
+        return tuple(enumerate(values))
+    out: list[tuple[int, int]] = []
+    for b in range(buckets):
+        lo, hi = b * len(values) // buckets, (b + 1) * len(values) // buckets
+        stretch = range(lo, hi)
+        low = min(stretch, key=values.__getitem__)
+        high = max(stretch, key=values.__getitem__)
+        out += [(i, values[i]) for i in sorted({low, high})]
+    return tuple(out)

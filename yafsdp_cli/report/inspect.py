@@ -273,11 +273,40 @@ def _md_escape(text: str) -> str:
     return text.replace("_", "\\_").replace("*", "\\*")
 
 
+MEMORY_PARTS = (  # (SchemeMemory field, short label): the stacked categories
+    ("params", "params"),
+    ("grads", "grads"),
+    ("optimizer", "optimizer"),
+    ("master", "master"),
+    ("buffers", "buffers"),
+    ("gather", "all-gather"),
+    ("reduce", "grad buffers"),
+)
+
+
+def memory_bars(report: InspectReport):
+    """The memory table as a stacked bar per scheme (a Rich renderable)."""
+    from .bars import BarRow, StackedBars
+
+    rows = tuple(
+        BarRow(
+            SCHEME_HEADERS.get(s.scheme, s.scheme),
+            tuple(getattr(s, f) for f, _ in MEMORY_PARTS),
+            "" if s.scheme == "ddp" else f"{-s.savings_percent:+.1f}%",
+        )
+        for s in report.memory.schemes
+    )
+    title = f"per rank at world size {report.inputs.world_size} (one scale; % vs DDP)"
+    return StackedBars(title, tuple(label for _, label in MEMORY_PARTS), rows)
+
+
 def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
-    """Rich renderables, in order, for a console to print."""
+    """Rich renderables, in order, for a console to print; the memory table is
+    followed by its bar chart."""
     from rich.text import Text
 
     out: list = [section_table(s) for s in sections(report, show_all=show_all)]
+    out.append(memory_bars(report))
     text = Text("Notes and assumptions\n", style="bold")
     for line in notes(report):
         text.append(f"- {line}\n")

@@ -54,6 +54,7 @@ def _step_json(s: StepProfile) -> dict:
         "cuda": s.cuda,
         "ops": s.ops,
         "wall_s": round(s.wall_s, 4),
+        "series": s.series,
     }
 
 
@@ -191,6 +192,22 @@ def to_markdown(report: ProfileReport) -> str:
     return markdown_sections(sections(report), report.notes, verdict(report))
 
 
+def peak_bars(report: ProfileReport):
+    """Each step's peak as a stacked bar by category (a Rich renderable)."""
+    from .bars import BarRow, StackedBars
+
+    o, c = report.original.peak, report.converted_step.peak
+    change = 100.0 * (c.total - o.total) / o.total if o.total else 0.0
+    rows = (
+        BarRow("original", tuple(getattr(o, k) for k in CATEGORIES)),
+        BarRow("converted", tuple(getattr(c, k) for k in CATEGORIES), f"{change:+.1f}%"),
+    )
+    title = "peak of the step by category (one scale)"
+    return StackedBars(title, tuple(LABELS[k] for k in CATEGORIES), rows)
+
+
 def to_rich(report: ProfileReport) -> list:
     ok = report.converted_step.peak.total <= report.original.peak.total
-    return rich_sections(sections(report), report.notes, verdict(report), ok)
+    out = rich_sections(sections(report), report.notes, verdict(report), ok)
+    out.insert(2, peak_bars(report))  # under the peak table
+    return out
