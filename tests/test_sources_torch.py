@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +205,20 @@ def test_a_factory_returning_no_module(tmp_path):
 def test_state_dict_without_architecture_cannot_build_a_module():
     with pytest.raises(SourceError, match="running the model needs its architecture; give --model"):
         load_source(SAMPLES / "mlp.pt").build_module()
+
+
+def _yafsdp(*argv: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    exe = Path(sys.executable).with_name("yafsdp")
+    return subprocess.run([str(exe), *argv], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_a_pickled_module_loads_from_the_folder_the_user_runs_in(tmp_path):
+    """As --model does: the current directory is on the import path for its classes."""
+    pickled = str(SAMPLES / "gpt_module.pt")
+    here = _yafsdp("inspect", pickled, "--trust-pickle", "--json", cwd=SAMPLES.parent)
+    assert here.returncode == 0, here.stderr
+    elsewhere = _yafsdp("inspect", pickled, "--trust-pickle", cwd=tmp_path)
+    assert elsewhere.returncode == 2
+    assert "needs module 'sample_models'" in elsewhere.stderr
+    assert str(tmp_path) in elsewhere.stderr and "Traceback" not in elsewhere.stderr

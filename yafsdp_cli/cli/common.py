@@ -117,7 +117,9 @@ ModelOpt = Annotated[
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
-        "--trust-pickle", help="Allow loading a pickled nn.Module (this runs code from the file)."
+        "--trust-pickle",
+        help="Allow loading a pickled nn.Module (this runs code from the file); its classes "
+        "are imported with the current directory on the import path, as --model's are.",
     ),
 ]
 JsonOpt = Annotated[

@@ -171,8 +171,17 @@ def run_forward(model: nn.Module, batch: Batch) -> Any:
         ) from exc
 
 
+def rng_fingerprint() -> bytes:
+    """The state of every torch generator (CPU, and each CUDA device that started one)."""
+    parts = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts += torch.cuda.get_rng_state_all()
+    return b"".join(bytes(p.numpy().tobytes()) for p in parts)
+
+
 def forward_backward(model: nn.Module, batch: Batch, seed: int) -> torch.Tensor:
-    """One micro-batch: forward (dropout seeded by ``seed``), loss, backward; the output."""
+    """One micro-batch: forward (dropout seeded by ``seed``: ``torch.manual_seed`` sets
+    the CPU and every CUDA generator), loss, backward; the output."""
     torch.manual_seed(seed)
     out = run_forward(model, batch)
     step_loss(out, seed).backward()

@@ -22,7 +22,7 @@ from torch import nn
 from ..engine.module_spec import spec_from_module
 from ..engine.records import ModelSpec
 from ..errors import SourceError
-from .model import LoadedModel
+from .model import LoadedModel, cwd_importable
 
 
 def resolve_factory(text: str):
@@ -58,8 +58,7 @@ def _import(target: str):
         sys.modules.setdefault(path.stem, module)
         spec.loader.exec_module(module)
         return module
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    cwd_importable()
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as exc:

@@ -8,6 +8,8 @@ when a module is built.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +21,13 @@ NO_ARCH_NOTE = (
     "no architecture: every floating-point tensor counts as a parameter (module buffers "
     "such as BatchNorm statistics included); give --model for module kinds and tied weights"
 )
+
+
+def cwd_importable() -> None:
+    """Put the current directory on ``sys.path``, as ``python -m`` and ``uvicorn
+    app:app`` do: code named by ``--model`` or by a pickle is found where the user runs."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 class TensorReader(Protocol):

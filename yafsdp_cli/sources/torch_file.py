@@ -8,6 +8,7 @@ them) to name the class, and refuse unless ``--trust-pickle`` is given.
 
 from __future__ import annotations
 
+import os
 import pickle
 import pickletools
 import zipfile
@@ -20,6 +21,7 @@ from torch import nn
 from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import read_json
+from .model import cwd_importable
 
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
 _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
@@ -38,8 +40,15 @@ def load_torch_file(path: Path, *, trust_pickle: bool) -> tuple[object, list[str
                 f"{path} holds a pickled {classes[0]}; loading it runs code from the file. "
                 "Pass --trust-pickle if you trust it, or save model.state_dict() instead"
             ) from None
+    cwd_importable()  # the pickle's classes are found where the user runs, as --model's
     try:
         return _load(path, weights_only=False), [f"loaded a pickled {classes[0]} (--trust-pickle)"]
+    except ModuleNotFoundError as exc:
+        raise SourceError(
+            f"{path}: the pickled {classes[0]} needs module {exc.name!r}, which cannot be "
+            f"imported from {os.getcwd()}; run from the folder that holds it, or add that "
+            "folder to PYTHONPATH"
+        ) from None
     except Exception as exc:  # the pickle's own code failed: name the class it wanted
         raise SourceError(f"{path}: unpickling {classes[0]} failed ({_first_line(exc)})") from None
 

@@ -97,7 +97,9 @@ def torchrun_rank(source, model, trust_pickle, opts: VerifyOptions) -> VerifyRep
     opts = with_world_size(opts, world)
     _init(int(os.environ["RANK"]), world, "env://", opts.device)
     try:
-        return verify_this_rank(load_source(source, model=model, trust_pickle=trust_pickle), opts)
+        report = verify_this_rank(load_source(source, model=model, trust_pickle=trust_pickle), opts)
+        dist.barrier()  # nobody tears the group down while another rank still uses it
+        return report
     finally:
         dist.destroy_process_group()
 

@@ -6,7 +6,7 @@ import copy
 
 from ..engine.flat import FlatModel, convert_module
 from ..engine.layout import Layout
-from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
+from ..engine.step import forward_backward, make_optimizer, optimizer_tensors, rng_fingerprint
 from .common import (
     Prepared,
     RankMemory,
@@ -26,6 +26,11 @@ from .common import (
     with_idioms,
 )
 
+RNG_NOTE = (
+    "the converted model drew a different amount of random numbers than the original "
+    "({where}): some op of one draws where the other's does not"
+)
+
 
 def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     original = prep.original
@@ -36,13 +41,16 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
     ref_opt = make_optimizer(opts.optimizer, original.parameters())
     opt = make_optimizer(opts.optimizer, flat.parameters())
-    memory = None
+    memory, drift = None, []
     for step in range(opts.steps):
         for m in range(opts.micro_batches):
             seed = micro_seed(opts, step, m)
             batch = batch_for(original, opts, seed)
             want = forward_backward(run_original, batch, seed)
+            drawn = rng_fingerprint()
             got = forward_backward(run_twin, batch, seed)
+            if rng_fingerprint() != drawn:
+                drift.append(f"step {step} micro-batch {m}")
             rec.compare("output", f"output (micro-batch {m})", step, got, want)
         rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
         for o in (ref_opt, opt):
@@ -55,6 +63,8 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
         original.zero_grad(set_to_none=True)
         flat.zero_grad()
     flat.check_padding()
+    if drift:
+        notes.append(RNG_NOTE.format(where=", ".join(drift[:3])))
     return build_report(prep, opts, rec, (memory,), backend="", extra_notes=notes)
 
 
