@@ -368,3 +368,27 @@ def test_usage_errors(args, message):
 def test_world_size_must_be_positive():
     result = invoke(LLAMA, "--world-size", "0")
     assert result.exit_code == 2 and "--world-size" in result.output
+
+
+def test_names_fold_in_the_middle_at_80_columns_never_mid_word():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("yafsdp")
+    env = {**os.environ, "COLUMNS": "80"}
+    argv = [str(exe), "inspect", str(SAMPLES / "llama.safetensors"), "-n", "8"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80
+    names = [e["name"] for b in inspect_json(SAMPLES / "llama.safetensors")["buffers"]
+             for e in b["entries"]]  # fmt: skip
+    cells = [c.strip() for line in lines if line.startswith("│") for c in line.split("│")]
+    for name in names[:9]:  # the buffers shown (identical blocks fold to the first)
+        shown = [c for c in cells if c == name or ("…" in c and name.startswith(c.split("…")[0])
+                 and name.endswith(c.split("…")[1]))]  # fmt: skip
+        assert shown, f"{name} is neither whole nor folded in the middle:\n{out}"
+    full = subprocess.run([*argv, "--all"], env={**env, "COLUMNS": "200"}, capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    assert all(n in full for n in names)  # --all shows every name in full

@@ -80,10 +80,45 @@ class Section:
     rows: tuple[tuple[str, ...], ...]
     right: tuple[int, ...] = ()  # right-aligned columns
     caption: str = ""
+    names: tuple[int, ...] = ()  # columns of dotted names: folded in the middle, not wrapped
 
 
-def section_table(s: Section) -> Table:
-    """A Rich table of ``s``; cells are Text, not markup (names hold brackets)."""
+def fold_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, an ellipsis in the middle
+    (``model.layers.0.mlp.down_proj.weight`` -> ``model.layers.0…down_proj.weight``):
+    the head says where a name lives, the tail what it is."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    keep = width - 1
+    head = keep * 2 // 5
+    return text[:head] + "…" + text[len(text) - (keep - head) :]
+
+
+class MiddleFold:
+    """A table cell that never wraps: too narrow a column folds it in the middle."""
+
+    MIN_WIDTH = 16
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(min(len(self.text), self.MIN_WIDTH), len(self.text))
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        yield Text(fold_middle(self.text, options.max_width), no_wrap=True, overflow="crop")
+
+
+def section_table(s: Section, *, fold_names: bool = True) -> Table:
+    """A Rich table of ``s``; cells are Text, not markup (names hold brackets). Name
+    columns fold in the middle when the terminal is narrow (full with ``fold_names``
+    off: ``--all``)."""
     from rich.text import Text
 
     table = Table(
@@ -97,7 +132,12 @@ def section_table(s: Section) -> Table:
     for i, h in enumerate(s.headers):
         table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
     for row in s.rows:
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(
+            *(
+                MiddleFold(cell) if fold_names and i in s.names else Text(cell)
+                for i, cell in enumerate(row)
+            )
+        )
     return table
 
 

@@ -153,7 +153,7 @@ def buffer_section(
         names = [report.buffers[i].unit or report.buffers[i].name for i in others]
         caption = f"+{len(others)} more buffers with this layout: {_span(names)} (--all shows each)"
     headers = ("entry", "offset", "numel", "shape", "dtype", "aliases")
-    return Section(title, headers, tuple(rows), right=(1, 2), caption=caption)
+    return Section(title, headers, tuple(rows), right=(1, 2), caption=caption, names=(0, 5))
 
 
 def _buffer_facts(b: BufferInfo) -> str:
@@ -305,7 +305,9 @@ def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
     followed by its bar chart."""
     from rich.text import Text
 
-    out: list = [section_table(s) for s in sections(report, show_all=show_all)]
+    out: list = [
+        section_table(s, fold_names=not show_all) for s in sections(report, show_all=show_all)
+    ]
     out.append(memory_bars(report))
     text = Text("Notes and assumptions\n", style="bold")
     for line in notes(report):
