@@ -1,0 +1,69 @@
+"""Hugging Face model folders for the README's examples, made here (no download).
+
+python -m sample_models.hf_folders [DIR]     # default: the current folder
+
+- ``tiny-llama/``: a 2-layer ``LlamaForCausalLM`` (hidden 64), seeded weights;
+- ``tiny-gpt2/``: a 2-layer ``GPT2LMHeadModel`` (tied ``lm_head``, dropout 0.1);
+- ``Llama-2-70b-hf/``: the ``config.json`` of Llama-2-70B alone (its published
+  hyperparameters), which ``inspect``, ``profile --fake`` and ``plan`` read without
+  weights: the architecture is built on the meta device.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def llama_2_70b_config():
+    import transformers as tf
+
+    return tf.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        dtype="float16",
+    )
+
+
+def write(out: Path) -> list[Path]:
+    import torch
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    llama = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+    )
+    gpt2 = tf.GPT2LMHeadModel(
+        tf.GPT2Config(vocab_size=256, n_layer=2, n_embd=64, n_head=4, n_positions=512)
+    )
+    written = []
+    for name, model in (("tiny-llama", llama), ("tiny-gpt2", gpt2)):
+        model.save_pretrained(out / name)
+        written.append(out / name)
+    llama_2_70b_config().save_pretrained(out / "Llama-2-70b-hf")
+    written.append(out / "Llama-2-70b-hf")
+    return written
+
+
+if __name__ == "__main__":
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    for path in write(Path(sys.argv[1] if len(sys.argv) > 1 else ".")):
+        print(path)
