@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
 from ..sources.safetensors_file import StHeader, read_header
+from .copy import Copier, FileRange
 from .engine import file_slots
 from .format import (
     FORMAT_VERSION,
@@ -89,37 +90,48 @@ class FlatCheckpoint:
     def nbytes(self) -> int:
         return sum(t.nbytes for f in self.files for t in f.values())
 
-    def read_range(self, b: BufferLayout, start: int, stop: int) -> Iterator[memoryview]:
-        """Bytes ``[start, stop)`` of logical buffer ``b`` (across rank files)."""
+    def ranges(self, b: BufferLayout, start: int, stop: int) -> Iterator[FileRange]:
+        """Where bytes ``[start, stop)`` of logical buffer ``b`` lie (one range per
+        rank file they touch)."""
         size = b.padded_numel // self.shards * dtypes.itemsize(b.dtype)
         while start < stop:
             r, local = divmod(start, size)
             n = min(stop - start, size - local)
             t = self.files[r][b.name]
-            yield from read_chunks(t.path, t.offset + local, n)
+            yield FileRange(t.path, t.offset + local, n)
             start += n
+
+    def read_range(self, b: BufferLayout, start: int, stop: int) -> Iterator[memoryview]:
+        """Bytes ``[start, stop)`` of logical buffer ``b`` (across rank files)."""
+        for fr in self.ranges(b, start, stop):
+            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
+
+    def kept_range(self, name: str) -> FileRange:
+        t = self.files[0][name]
+        return FileRange(t.path, t.offset, t.nbytes)
 
     def kept_bytes(self, name: str) -> Iterator[memoryview]:
         t = self.files[0][name]
         return read_chunks(t.path, t.offset, t.nbytes)
 
-    def verify(self, progress: Progress | None = None) -> int:
-        """Read every stored tensor: checksum, and zero padding in buffers.
-        Returns how many tensors were checked; raises ``CheckpointError``."""
+    def verify(self, progress: Progress | None = None, copier: Copier | None = None) -> int:
+        """Read every stored tensor: checksum, and zero padding in buffers (holes of
+        a sparse file are zeros by definition, so they are not read). Returns how
+        many tensors were checked; raises ``CheckpointError``."""
         buffers = {b.name: b for b in self.layout.buffers}
-        total, done, count = self.nbytes, 0, 0
+        copier = copier or Copier()
+        tick = _Ticks(progress, self.nbytes)
+        count = 0
         for r, tensors in enumerate(self.files):
             for t in sorted(tensors.values(), key=lambda t: t.offset):
                 pads = _padding(buffers[t.name], r, self.shards) if t.name in buffers else []
                 digest = Checksum(algo_of(t.checksum))
-                pos = 0
-                for chunk in read_chunks(t.path, t.offset, t.nbytes):
-                    digest.update(chunk)
-                    _check_zero(t, buffers.get(t.name), pads, pos, chunk)
-                    pos += len(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress("checking", done, total)
+
+                def visit(pos, chunk, t=t, pads=pads):
+                    _check_zero(t, pads, pos, chunk)
+
+                where = FileRange(t.path, t.offset, t.nbytes)
+                copier.hash(where, digest, visit if pads else None, tick)
                 if digest.text() != t.checksum:
                     what = "buffer" if t.name in buffers else "tensor"
                     raise CheckpointError(
@@ -157,7 +169,17 @@ def _padding(b: BufferLayout, rank: int, shards: int) -> list[tuple[int, int]]:
     return [((a - lo) * isz, (z - lo) * isz) for a, z in out]
 
 
-def _check_zero(t: StoredTensor, b, pads, pos: int, chunk: memoryview) -> None:
+class _Ticks:
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress("checking", self.done, self.total)
+
+
+def _check_zero(t: StoredTensor, pads, pos: int, chunk: memoryview) -> None:
     end = pos + len(chunk)
     for a, z in pads:
         if z <= pos or a >= end:
