@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import assert_same_tensors, load_st, sample
+from checkpoint_helpers import assert_same_tensors, load_st, read_header, reseal, sample, write_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -306,7 +307,7 @@ def test_round_trips_are_bit_exact_on_every_copy_path(tmp_path, monkeypatch, ref
         real_count(self, method, n)
 
     monkeypatch.setattr(Copier, "_count", count)
-    src = sample("llama.safetensors")
+    src = sample("cnn.safetensors")  # has a kept tensor (num_batches_tracked, int64)
     flat, folder = tmp_path / "flat.safetensors", tmp_path / "set"
     r = convert_checkpoint(src, flat, world_size=3, verify=True)
     assert r.verify.ok and not r.verify.mismatches
@@ -314,12 +315,38 @@ def test_round_trips_are_bit_exact_on_every_copy_path(tmp_path, monkeypatch, ref
     back = tmp_path / "back.safetensors"
     restore_checkpoint(folder, back)
     assert_same_tensors(load_st(src), load_st(back))
-    # restore's copy needs no checksum: the first kernel method not refused moves it
+    assert "buffered" in used  # first copies are one checksummed pass
+    # a kept tensor copied into 4 rank files is read once; the 3 repeats need no
+    # look at the bytes, so the first kernel method not refused moves them
     kernel = [m for m in ("copy_file_range", "sendfile") if m not in refuse]
     if kernel:
         assert kernel[0] in used
-    assert "buffered" in used  # checksummed copies (convert, reshard) are one buffered pass
     assert not set(refuse) & set(used)
+
+
+@pytest.mark.parametrize("where", ["entry", "padding"])
+@pytest.mark.parametrize("command", ["restore", "reshard"])
+def test_input_checked_in_the_copy_pass_still_refuses_any_changed_byte(tmp_path, command, where):
+    """restore/reshard check the input while copying it: an entry byte (copied, its
+    CRC from the ledger) or a padding byte (not copied, read by verify) that changed
+    is refused, and nothing appears at the output."""
+    flat = tmp_path / "flat.safetensors"
+    convert_checkpoint(sample("gpt.safetensors"), flat, world_size=4, align="megatron")
+    header, data = read_header(flat)
+    layout = json.loads(header["__metadata__"]["yafsdp.layout"])
+    buf = next(b for b in layout["buffers"] if b["padded_numel"] > b["end"])
+    a, _ = header[buf["name"]]["data_offsets"]
+    data = bytearray(data)
+    data[a + (buf["end"] * 4 if where == "padding" else 100)] ^= 0x20
+    write_raw(flat, reseal(header, bytes(data)) if where == "padding" else header, bytes(data))
+    out = tmp_path / "out"
+    message = "is not zero" if where == "padding" else "fails its checksum"
+    with pytest.raises(CheckpointError, match=rf"buffer '{re.escape(buf['name'])}' .*{message}"):
+        if command == "restore":
+            restore_checkpoint(flat, out.with_suffix(".safetensors"))
+        else:
+            reshard_checkpoint(flat, out, world_size=2, sharded=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.safetensors"]
 
 
 def test_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
@@ -328,3 +355,24 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"cannot write .*No space left on device"):
         convert_checkpoint(sample("llama.safetensors"), out, world_size=2)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["restore", "reshard"])
+def test_the_input_is_read_once(tmp_path, monkeypatch, command):
+    """After the copy, verify reads only what was not copied (padding, replicas)."""
+    flat = tmp_path / "flat.safetensors"
+    convert_checkpoint(sample("gpt.safetensors"), flat, world_size=4)
+    reread: list[int] = []
+    real = Copier.hash
+
+    def spy(self, src, digest, visit=None, tick=None):
+        reread.append(src.nbytes)
+        real(self, src, digest, visit, tick)
+
+    monkeypatch.setattr(Copier, "hash", spy)
+    if command == "restore":
+        restore_checkpoint(flat, tmp_path / "r.safetensors")
+    else:
+        reshard_checkpoint(flat, tmp_path / "s.safetensors", world_size=3)
+    data = flat.stat().st_size
+    assert sum(reread) < data // 50, (sum(reread), data)

@@ -18,7 +18,7 @@ from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
-from .copy import FileRange
+from .copy import Copier, FileRange
 from .engine import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
@@ -125,6 +125,7 @@ def write_converted(
             source_metadata=loaded.spec.metadata,
             progress=progress,
             final=out,
+            copier=Copier(record=True),  # a kept tensor copied to N ranks is read once
         )
         bytes_read = reads.total
         check = (

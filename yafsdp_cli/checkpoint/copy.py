@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .crc import crc32, crc32_zeros
 
 COPY_BUFFER = 4 * 1024 * 1024  # see copy_methods: 2-8 MiB equal, 1 MiB and 16 MiB slower
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
@@ -128,13 +129,35 @@ def data_segments(fd: int, offset: int, nbytes: int) -> Iterator[tuple[int, int,
         pos = stop
 
 
+class Ledger:
+    """The CRC-32 of every file range a ``Copier`` copied, so that checking the
+    input afterwards reads only what was not copied (padding, replicas)."""
+
+    def __init__(self):
+        self._by_path: dict[Path, dict[tuple[int, int], int]] = {}
+
+    def record(self, src: FileRange, crc: int) -> None:
+        self._by_path.setdefault(src.path, {})[(src.offset, src.nbytes)] = crc
+
+    def get(self, src: FileRange) -> int | None:
+        return self._by_path.get(src.path, {}).get((src.offset, src.nbytes))
+
+    def within(self, path: Path, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """``(offset, nbytes, crc)`` of the recorded ranges inside ``[offset, offset +
+        nbytes)`` of ``path``, in order."""
+        end = offset + nbytes
+        found = self._by_path.get(path, {})
+        return sorted((a, n, c) for (a, n), c in found.items() if a >= offset and a + n <= end)
+
+
 class Copier:
     """Copies ranges into output files; one per command (it holds one buffer and
-    remembers which kernel methods failed)."""
+    remembers which kernel methods failed). With ``record`` it keeps a ``Ledger``."""
 
-    def __init__(self, buffer_bytes: int = COPY_BUFFER):
+    def __init__(self, buffer_bytes: int = COPY_BUFFER, *, record: bool = False):
         self._size = buffer_bytes
         self._view: memoryview | None = None
+        self.ledger = Ledger() if record else None
         self.disabled: set[str] = set()  # "copy_file_range", "sendfile"
         self.used: dict[str, int] = {}  # method -> bytes moved with it
 
@@ -148,27 +171,48 @@ class Copier:
 
     def copy(self, src: FileRange, dst_fd: int, dst_off: int, digest=None, tick=None) -> None:
         """``src``'s bytes to ``dst_fd`` at ``dst_off`` (which must already be that
-        long, so skipped holes read as zeros); ``digest.update`` sees every byte."""
-        fd = open_range(src)
+        long, so skipped holes read as zeros); ``digest`` is extended by them.
+
+        Bytes nobody needs to see (no digest, no ledger), or whose CRC the ledger
+        already has, go through the kernel; the rest in one buffered pass."""
+        known = self.ledger.get(src) if self.ledger is not None else None
+        if known is None and (digest is not None or self.ledger is not None):
+            known = self._pass(src, dst_fd, dst_off, tick)
+            if self.ledger is not None:
+                self.ledger.record(src, known)
+        else:
+            self._pass(src, dst_fd, dst_off, tick, kernel=True)
+        if digest is not None:
+            digest.extend(known, src.nbytes)
+
+    def _pass(self, src: FileRange, dst_fd, dst_off, tick, kernel: bool = False) -> int:
+        """Copy ``src`` segment by segment (holes skipped); its CRC-32 unless ``kernel``."""
+        fd, crc = open_range(src), 0
         try:
             for start, n, is_data in data_segments(fd, src.offset, src.nbytes):
                 at = dst_off + start - src.offset
                 if not is_data:
-                    if digest is not None:
-                        digest.update_zeros(n)
+                    crc = crc32_zeros(crc, n)
                     self._count("hole", n)
                     if tick:
                         tick(n)
-                elif digest is None:
+                elif kernel:
                     self._kernel_copy(fd, src.path, start, dst_fd, at, n, tick)
                 else:
-                    self._buffered(fd, src.path, start, dst_fd, at, n, digest, tick)
+                    crc = self._buffered(fd, src.path, start, dst_fd, at, n, crc, tick)
         finally:
             os.close(fd)
+        return crc
+
+    def crc_of(self, src: FileRange, visit=None, tick=None) -> int:
+        """The CRC-32 of ``src`` (read, not copied); ``visit(pos, chunk)`` sees each
+        data chunk (``pos`` relative to ``src.offset``); holes are zeros, not read."""
+        digest = _Crc()
+        self.hash(src, digest, visit, tick)
+        return digest.crc
 
     def hash(self, src: FileRange, digest, visit=None, tick=None) -> None:
-        """Feed ``src``'s bytes to ``digest``; ``visit(pos, chunk)`` sees each data
-        chunk (``pos`` relative to ``src.offset``); holes are zeros, not read."""
+        """Feed ``src``'s bytes to ``digest`` (``update``/``update_zeros``)."""
         fd = open_range(src)
         try:
             for start, n, is_data in data_segments(fd, src.offset, src.nbytes):
@@ -200,14 +244,14 @@ class Copier:
             yield offset, buf[:got]
             offset, n = offset + got, n - got
 
-    def _buffered(self, fd, path, offset, dst_fd, at, n, digest, tick) -> None:
+    def _buffered(self, fd, path, offset, dst_fd, at, n, crc: int, tick) -> int:
         for pos, chunk in self._read(fd, path, offset, n):
-            if digest is not None:
-                digest.update(chunk)
+            crc = crc32(chunk, crc)
             write_at(dst_fd, chunk, at + pos - offset)
             self._count("buffered", len(chunk))
             if tick:
                 tick(len(chunk))
+        return crc
 
     def _kernel_copy(self, fd, path, offset, dst_fd, at, n, tick) -> None:
         for method in ("copy_file_range", "sendfile"):
@@ -217,7 +261,7 @@ class Copier:
             offset, at, n = offset + done, at + done, n - done
             if not n:
                 return
-        self._buffered(fd, path, offset, dst_fd, at, n, None, tick)
+        self._buffered(fd, path, offset, dst_fd, at, n, 0, tick)
 
     def _try_kernel(self, method, fd, path, offset, dst_fd, at, n, tick) -> int:
         """Bytes copied with ``method`` before it finished, stopped (a zero return:
@@ -243,6 +287,19 @@ class Copier:
             if tick:
                 tick(got)
         return done
+
+
+class _Crc:
+    """The smallest digest: a bare running CRC-32."""
+
+    def __init__(self):
+        self.crc = 0
+
+    def update(self, data) -> None:
+        self.crc = crc32(data, self.crc)
+
+    def update_zeros(self, n: int) -> None:
+        self.crc = crc32_zeros(self.crc, n)
 
 
 def open_range(src: FileRange) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ..engine import dtypes
 from ..engine.layout import Layout, layout_from_dict, layout_to_dict
 from ..errors import CheckpointError
-from .crc import crc32, crc32_zeros
+from .crc import crc32, crc32_combine, crc32_zeros
 
 FORMAT_VERSION = 1
 KIND_FLAT = "flat"
@@ -98,6 +98,13 @@ class Checksum:
             self._sha.update(data)
         else:
             self._crc = crc32(data, self._crc)
+
+    def extend(self, piece_crc: int, n: int) -> None:
+        """Append a piece of ``n`` bytes whose CRC-32 is known (CRC-32 only: what
+        yafsdp writes; sha256 is only ever read)."""
+        if self._sha is not None:
+            raise CheckpointError("a sha256 checksum cannot be extended by a CRC-32")
+        self._crc = crc32_combine(self._crc, piece_crc, n)
 
     def update_zeros(self, n: int) -> None:
         """As ``update(bytes(n))``, without the bytes for CRC-32."""

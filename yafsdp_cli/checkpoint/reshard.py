@@ -4,7 +4,8 @@ No model is needed: the layout is re-planned from the stored entries with the
 stored alignment preset for the new world size. Parameter starts depend only on
 the preset and the dtype, so entries keep their offsets and only the end padding
 changes; the data is copied by byte ranges, neighbouring entries as one range
-(``copy.coalesce``), checksummed for the new files in the same pass.
+(``copy.coalesce``), checksummed for the new files and for checking the input in
+the same pass; ``verify`` then reads only what was not copied (padding, replicas).
 """
 
 from __future__ import annotations
@@ -66,15 +67,15 @@ def reshard_checkpoint(
     force: bool = False,
     progress: Progress | None = None,
 ) -> ReshardResult:
-    """Verify ``flat`` (file, set folder or index), then write it for ``world_size``
-    ranks: one file, or with ``sharded`` a folder of rank files and an index."""
+    """Write ``flat`` (file, set folder or index) for ``world_size`` ranks: one
+    file, or with ``sharded`` a folder of rank files and an index. The input is
+    verified (checksums, padding) in the same pass before the output appears."""
     out = Path(out)
     check_flat_name(out, sharded=sharded)
     ckpt = open_flat(flat)
     new = relayout(ckpt.layout, world_size)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=sharded)
-    copier = Copier()
-    checked = ckpt.verify(progress, copier)
+    copier = Copier(record=True)
     old = {b.name: b for b in ckpt.layout.buffers}
     with staged_output(out, folder=sharded) as staged:
         info = write_flat(
@@ -89,6 +90,7 @@ def reshard_checkpoint(
             final=out,
             copier=copier,
         )
+        checked = ckpt.verify(progress, copier)  # reads only what was not copied
     return ReshardResult(
         input=str(ckpt.root),
         input_world_size=ckpt.layout.world_size,

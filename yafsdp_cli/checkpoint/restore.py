@@ -1,9 +1,10 @@
 """``restore_checkpoint``: a flat checkpoint back to the ordinary state dict.
 
 Every entry's slice and every kept tensor is copied out by byte ranges, so each
-tensor is bit for bit what the source held: after ``verify`` has read every byte
-once (checksums, zero padding), the copy itself needs no checksum, so the kernel
-moves the bytes (``copy.Copier``: ``copy_file_range``, then ``sendfile``). Tied names follow
+tensor is bit for bit what the source held. The bytes are read once: each range
+is copied and checksummed in one pass (``copy.Copier`` with a ledger), then
+``verify`` combines those checksums with what was not copied (padding, replicas),
+read there, and compares them with the stored ones before the output is renamed. Tied names follow
 ``safetensors.torch.save_model``: a tied tensor is stored once, under its first
 name, and the metadata maps each dropped name to the stored one, so
 ``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
@@ -64,21 +65,24 @@ def restore_checkpoint(
     flat: str | Path, out: str | Path, *, force: bool = False, progress: Progress | None = None
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
-    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``), after verifying
-    every checksum and the zero padding."""
+    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``). Every checksum and
+    the zero padding are verified before ``out`` appears: for ``.safetensors`` in
+    the same pass as the copy (the bytes are read once, checksummed and written to
+    the hidden temporary; a mismatch removes it)."""
     out = Path(out)
     fmt = _format_of(out)
     ckpt = open_flat(flat)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
-    copier = Copier()
-    checked = ckpt.verify(progress, copier)
+    copier = Copier(record=True)
     items = state_dict_items(ckpt)
     tied = {a: it.slot.name for it in items for a in it.aliases}
     with staged_output(out, folder=False) as staged:
         if fmt == "pt":
+            checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
         else:
             _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
+            checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
     return RestoreResult(
         input=str(ckpt.root),
