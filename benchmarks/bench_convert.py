@@ -12,7 +12,9 @@ vocabulary 32000, untied head: 1.24 GiB) written once under benchmarks/data/
 any timing, so cp and yafsdp both read it warm; each output is deleted and `sync`
 run before each run (outside the timing), so no writeback of an earlier run competes
 (neither fsyncs). Also printed, without a bar: the startup floor (`yafsdp convert`
-of a 12 KiB file), since every command pays it and `cp` does not.
+of a 12 KiB file), since every command pays it and `cp` does not, and the CPU time
+(user + system, from wait4) of each command beside cp's: on a machine shared with
+other jobs the wall time mostly measures the queue for a core, the CPU time the work.
 
 Then the sparse case: `convert` of the 70B-shaped file of bench_inspect_70b (a real
 723-tensor header and a ~138 GB hole) to a flat file that must stay sparse, beside
@@ -103,6 +105,8 @@ class Paired:
     ratios: tuple[float, ...]  # per pair
     peak_rss_bytes: int  # median
     stdout: bytes
+    cpu_s: float  # median CPU time (user + system) of the command
+    cp_cpu_s: float  # median CPU time of the paired cp runs
 
 
 def paired(name: str, argv: list[str], out: Path, src: Path, scratch: Path) -> Paired:
@@ -127,6 +131,8 @@ def paired(name: str, argv: list[str], out: Path, src: Path, scratch: Path) -> P
         tuple(r.wall_s / c.wall_s for r, c in zip(runs, cps)),
         int(statistics.median(r.peak_rss_bytes for r in runs)),
         runs[-1].stdout,
+        statistics.median(r.cpu_s for r in runs),
+        statistics.median(c.cpu_s for c in cps),
     )
 
 
@@ -177,20 +183,24 @@ def _run_all(src: Path, scratch: Path) -> bool:
     floor = median_run([PYTHON, "-c", "pass"], REPEAT)
     tiny = scratch / "tiny.safetensors"
     mlp = str(ROOT / "sample_models" / "mlp.safetensors")
-    start_s = statistics.median(
-        _fresh([YAFSDP, "convert", mlp, "-o", str(tiny)], tiny).wall_s for _ in range(REPEAT)
-    )
+    starts = [_fresh([YAFSDP, "convert", mlp, "-o", str(tiny)], tiny) for _ in range(REPEAT)]
+    start_s = statistics.median(r.wall_s for r in starts)
+    start_cpu = statistics.median(r.cpu_s for r in starts)
     gib = src.stat().st_size / 1024**3
     print(f"  input {src.name}: {gib:.2f} GiB, {len(llama_shapes())} tensors")
     print(f"  interpreter floor (python -c pass): {floor.peak_rss_bytes / MiB:.0f} MiB RSS")
-    print(f"  startup floor (yafsdp convert of a 12 KiB file): {start_s:.3f} s, no bar")
+    print(
+        f"  startup floor (yafsdp convert of a 12 KiB file): {start_s:.3f} s wall, "
+        f"{start_cpu:.3f} s CPU, no bar"
+    )
     ok = True
     for name, argv, cp_src, bar in cases(src, flat, scratch):
         p = paired(name, [YAFSDP, *argv, "--json"], _output(argv), cp_src, scratch)
         spread = ", ".join(f"{r:.2f}" for r in p.ratios)
         print(
-            f"  {name}: {p.wall_s:.3f} s beside cp {p.cp_s:.3f} s "
-            f"(pairs: {spread}; without the startup floor {p.wall_s - start_s:.3f} s), "
+            f"  {name}: {p.wall_s:.3f} s beside cp {p.cp_s:.3f} s (pairs: {spread}); "
+            f"CPU {p.cpu_s:.3f} s beside cp {p.cp_cpu_s:.3f} s ({p.cpu_s / p.cp_cpu_s:.2f}x; "
+            f"{(p.cpu_s - start_cpu) / p.cp_cpu_s:.2f}x without the startup floor's CPU); "
             f"{p.peak_rss_bytes / MiB:.0f} MiB RSS"
         )
         ok &= verdict(f"{name} wall / cp", p.wall_s / p.cp_s, bar, "x")
