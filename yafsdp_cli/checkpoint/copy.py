@@ -7,17 +7,18 @@ after the other in the source is one range. ``Copier`` moves a range into an
 output file that was sized in advance (``ftruncate``), so ``Zeros`` and the holes
 of a sparse source are simply not written: they read back as zeros and stay holes.
 
-Two ways to copy, chosen by whether the bytes must be checksummed on the way
-(figures: ``python -m benchmarks.run copy_methods``, 1.24 GiB, page cache warm;
-see README "Copying at the speed of cp"):
+How a range is copied depends on whether its bytes must be seen (figures:
+``python -m benchmarks.run copy_methods``; README "Copying at the speed of cp"):
 
-* ``copy(..., digest=None)``: nothing needs the bytes, so they never enter this
-  process: ``os.copy_file_range``, else ``os.sendfile``, else buffered reads
-  (a method that fails once with "not supported here" is not tried again).
-* ``copy(..., digest=d)``: one pass with one reusable buffer (``preadv`` into
-  it, checksum it, ``pwrite`` it). The kernel copy followed by a checksum
-  read from the page cache costs a second pass over the data; the single pass
-  measured as fast as ``cp`` itself, the two passes ~1.25x.
+* bytes to checksum (the output's checksums; with ``record`` the input's too,
+  kept in a ``Ledger`` so that the check after the copy need not read them
+  again): one pass with one reusable buffer, ``preadv`` into it, CRC-32 it,
+  ``pwrite`` it. ``copy_file_range`` followed by a checksum read back from the
+  page cache is two passes over the data, and measured slower;
+* bytes nobody needs to see, or whose CRC the ledger already has (a kept tensor
+  copied into every rank file): the kernel copies them, ``os.copy_file_range``,
+  else ``os.sendfile``, else buffered reads (a method that fails once with "not
+  supported here" is not tried again; one that stops short is finished by the next).
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated.

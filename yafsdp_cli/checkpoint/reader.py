@@ -3,8 +3,9 @@
 ``open_flat`` checks structure from the headers alone (every header through the
 defensive safetensors parser, the layout against its checksum and invariants,
 each file's tensors against the layout, each rank file against the index);
-``FlatCheckpoint.verify`` then reads every byte once: checksums and zero padding.
-Nothing is trusted before both have passed.
+``FlatCheckpoint.verify`` then checks every byte once: checksums and zero padding
+(``check.py``; bytes a copier has just copied are not read twice). Nothing is
+trusted before both have passed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
 from ..sources.safetensors_file import StHeader, read_header
+from .check import StoredTensor, Ticks, digest_of, padding
 from .copy import Copier, FileRange
-from .crc import crc32_combine
 from .engine import file_slots
 from .format import (
     FORMAT_VERSION,
@@ -39,7 +40,6 @@ from .format import (
     KIND_FLAT,
     KIND_SHARD,
     STREAM_CHUNK,
-    Checksum,
     algo_of,
     checksum_of,
     int_field,
@@ -49,19 +49,6 @@ from .format import (
     rank_file_name,
 )
 from .results import Progress
-
-
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
-    """A tensor in a flat file: bytes ``[offset, offset + nbytes)`` of ``path``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    path: Path
-    offset: int  # from the start of the file
-    nbytes: int
-    checksum: str  # as the metadata records it
 
 
 @dataclass(frozen=True)
@@ -122,12 +109,12 @@ class FlatCheckpoint:
         Returns how many tensors were checked; raises ``CheckpointError``."""
         buffers = {b.name: b for b in self.layout.buffers}
         copier = copier or Copier()
-        tick = _Ticks(progress, self.nbytes)
+        tick = Ticks(progress, self.nbytes)
         count = 0
         for r, tensors in enumerate(self.files):
             for t in sorted(tensors.values(), key=lambda t: t.offset):
-                pads = _padding(buffers[t.name], r, self.shards) if t.name in buffers else []
-                found = _digest_of(t, pads, copier, tick)
+                pads = padding(buffers[t.name], r, self.shards) if t.name in buffers else []
+                found = digest_of(t, pads, copier, tick)
                 if found != t.checksum:
                     what = "buffer" if t.name in buffers else "tensor"
                     raise CheckpointError(
@@ -139,93 +126,11 @@ class FlatCheckpoint:
         return count
 
 
-def _digest_of(t: StoredTensor, pads, copier: Copier, tick) -> str:
-    """``t``'s checksum text: the ledger's pieces combined with the rest, read."""
-    algo = algo_of(t.checksum)
-    pieces = copier.ledger.within(t.path, t.offset, t.nbytes) if copier.ledger else []
-    if algo != "crc32" or not _trustworthy(pieces, t.offset, pads):
-        digest = Checksum(algo)
-        copier.hash(FileRange(t.path, t.offset, t.nbytes), digest, _zero_check(t, pads, 0), tick)
-        return digest.text()
-    crc, pos = 0, 0  # pos: bytes of t covered so far
-    for offset, n, piece_crc in [*pieces, (t.offset + t.nbytes, 0, 0)]:
-        start = offset - t.offset
-        if start > pos:  # not copied: padding or a replica; read it here
-            gap = FileRange(t.path, t.offset + pos, start - pos)
-            gap_crc = copier.crc_of(gap, _zero_check(t, pads, pos), tick)
-            crc = crc32_combine(crc, gap_crc, start - pos)
-        crc = crc32_combine(crc, piece_crc, n)
-        tick(n)
-        pos = start + n
-    return f"crc32:{crc:08x}"
-
-
-def _trustworthy(pieces, base: int, pads) -> bool:
-    """Copied pieces can stand for the bytes if they do not overlap each other or
-    the padding (whose zeros must be seen)."""
-    pos = 0
-    for offset, n, _ in pieces:
-        start = offset - base
-        if start < pos or any(a < start + n and start < z for a, z in pads):
-            return False
-        pos = start + n
-    return True
-
-
-def _zero_check(t: StoredTensor, pads, shift: int):
-    if not pads:
-        return None
-    return lambda pos, chunk: _check_zero(t, pads, shift + pos, chunk)
-
-
 def read_chunks(
     path: Path, offset: int, nbytes: int, chunk: int = STREAM_CHUNK
 ) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
     return _read_file_chunks(path, offset, nbytes, chunk, error=CheckpointError)
-
-
-def _padding(b: BufferLayout, rank: int, shards: int) -> list[tuple[int, int]]:
-    """Byte ranges, relative to rank ``rank``'s slice of ``b``, that are padding."""
-    size = b.padded_numel // shards
-    lo, hi = rank * size, (rank + 1) * size
-    out, pos = [], lo
-    for e in b.entries:
-        if e.offset + e.numel <= lo or not e.numel:
-            continue
-        if e.offset >= hi:
-            break
-        if e.offset > pos:
-            out.append((pos, e.offset))
-        pos = max(pos, e.offset + e.numel)
-    if pos < hi:
-        out.append((pos, hi))
-    isz = dtypes.itemsize(b.dtype)
-    return [((a - lo) * isz, (z - lo) * isz) for a, z in out]
-
-
-class _Ticks:
-    def __init__(self, progress: Progress | None, total: int):
-        self.progress, self.total, self.done = progress, total, 0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.progress is not None:
-            self.progress("checking", self.done, self.total)
-
-
-def _check_zero(t: StoredTensor, pads, pos: int, chunk: memoryview) -> None:
-    end = pos + len(chunk)
-    for a, z in pads:
-        if z <= pos or a >= end:
-            continue
-        piece = chunk[max(a, pos) - pos : min(z, end) - pos].tobytes()
-        if piece != bytes(len(piece)):
-            first = max(a, pos) + next(i for i, v in enumerate(piece) if v)
-            raise CheckpointError(
-                f"{t.path}: padding of buffer {t.name!r} is not zero (byte {first} of the "
-                "stored tensor); padding must be zero: the file was modified"
-            )
 
 
 # ------------------------------------------------------------------ opening
