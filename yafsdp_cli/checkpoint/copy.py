@@ -7,18 +7,19 @@ after the other in the source is one range. ``Copier`` moves a range into an
 output file that was sized in advance (``ftruncate``), so ``Zeros`` and the holes
 of a sparse source are simply not written: they read back as zeros and stay holes.
 
-How a range is copied depends on whether its bytes must be seen (figures:
-``python -m benchmarks.run copy_methods``; README "Copying at the speed of cp"):
-
-* bytes to checksum (the output's checksums; with ``record`` the input's too,
-  kept in a ``Ledger`` so that the check after the copy need not read them
-  again): one pass with one reusable buffer, ``preadv`` into it, CRC-32 it,
-  ``pwrite`` it. ``copy_file_range`` followed by a checksum read back from the
-  page cache is two passes over the data, and measured slower;
-* bytes nobody needs to see, or whose CRC the ledger already has (a kept tensor
-  copied into every rank file): the kernel copies them, ``os.copy_file_range``,
-  else ``os.sendfile``, else buffered reads (a method that fails once with "not
-  supported here" is not tried again; one that stops short is finished by the next).
+The kernel copies every range: ``os.copy_file_range``, else ``os.sendfile``, else
+buffered reads (a method that fails once with "not supported here" is not tried
+again; one that stops short is finished by the next). Bytes that must be
+checksummed (the output's checksums; with ``record`` the input's too, kept in a
+``Ledger`` so that the check after the copy need not read them again) are then
+read back from the page cache into one reusable 4 MiB buffer and CRC-32'd; a
+range whose CRC the ledger has (a kept tensor copied into every rank file) is
+not read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
+``pwrite``), which touches the bytes once: on this project's machine it measured
+as fast as ``cp`` at times and 3-5x slower at others (the kernel's write path for
+large user-space writes; ``copy_file_range`` never varied), while the kernel copy
+plus a read back cost a steady ~1.25x the copy alone. Figures: ``python -m
+benchmarks.run copy_methods``; README "Copying at the speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated.
@@ -40,6 +41,8 @@ KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progr
 # errno values that mean "this method does not work for these files", not "the copy failed"
 _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 _UNSUPPORTED |= {getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+_KERNEL_METHODS = ("copy_file_range", "sendfile")
 
 Tick = Callable[[int], None]
 
@@ -174,17 +177,25 @@ class Copier:
         """``src``'s bytes to ``dst_fd`` at ``dst_off`` (which must already be that
         long, so skipped holes read as zeros); ``digest`` is extended by them.
 
-        Bytes nobody needs to see (no digest, no ledger), or whose CRC the ledger
-        already has, go through the kernel; the rest in one buffered pass."""
+        The kernel copies; bytes that must be checksummed (a digest, or a ledger
+        that lacks them) are then read back from the page cache into the buffer.
+        Where no kernel method works, one buffered pass copies and checksums."""
         known = self.ledger.get(src) if self.ledger is not None else None
         if known is None and (digest is not None or self.ledger is not None):
-            known = self._pass(src, dst_fd, dst_off, tick)
+            if self.kernel_available():
+                self._pass(src, dst_fd, dst_off, tick, kernel=True)
+                known = self.crc_of(src)  # read back from the page cache (see above)
+            else:
+                known = self._pass(src, dst_fd, dst_off, tick)
             if self.ledger is not None:
                 self.ledger.record(src, known)
         else:
             self._pass(src, dst_fd, dst_off, tick, kernel=True)
         if digest is not None:
             digest.extend(known, src.nbytes)
+
+    def kernel_available(self) -> bool:
+        return any(hasattr(os, m) and m not in self.disabled for m in _KERNEL_METHODS)
 
     def _pass(self, src: FileRange, dst_fd, dst_off, tick, kernel: bool = False) -> int:
         """Copy ``src`` segment by segment (holes skipped); its CRC-32 unless ``kernel``."""
@@ -255,7 +266,7 @@ class Copier:
         return crc
 
     def _kernel_copy(self, fd, path, offset, dst_fd, at, n, tick) -> None:
-        for method in ("copy_file_range", "sendfile"):
+        for method in _KERNEL_METHODS:
             if method in self.disabled or not hasattr(os, method):
                 continue
             done = self._try_kernel(method, fd, path, offset, dst_fd, at, n, tick)
