@@ -396,3 +396,35 @@ def test_the_input_is_read_once(tmp_path, monkeypatch, command):
         reshard_checkpoint(flat, tmp_path / "s.safetensors", world_size=3)
     header, data = read_header(flat)
     assert len(data) <= sum(reread) < len(data) * 1.02, (sum(reread), len(data))
+
+
+def test_the_read_back_thread_gives_the_crc_and_hands_its_errors_over(tmp_path, monkeypatch):
+    src, data = _source(tmp_path)
+    monkeypatch.setattr(copy_mod, "OVERLAP_MIN", 1)  # every range: copy and read back at once
+    digest = Checksum()
+    out = _copy(
+        Copier(buffer_bytes=MiB),
+        FileRange(src, 0, len(data)),
+        tmp_path / "d",
+        len(data) + 7,
+        digest,
+    )
+    assert out[7:] == data and digest.text() == f"crc32:{zlib.crc32(data):08x}"
+    monkeypatch.setattr(os, "preadv", _fail(errno.EIO))  # the reading thread fails
+    with pytest.raises(CheckpointError, match=r"src.bin: cannot read \(Input/output error\)"):
+        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "e", len(data) + 7, Checksum())
+
+
+def test_ctrl_c_during_the_kernel_copy_stops_the_read_back_thread(tmp_path, monkeypatch):
+    import threading
+
+    src, data = _source(tmp_path)
+    monkeypatch.setattr(copy_mod, "OVERLAP_MIN", 1)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "copy_file_range", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7, Checksum())
+    assert not [t for t in threading.enumerate() if t.name == "yafsdp-crc"]

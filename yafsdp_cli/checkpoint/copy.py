@@ -12,7 +12,8 @@ buffered reads (a method that fails once with "not supported here" is not tried
 again; one that stops short is finished by the next). Bytes that must be
 checksummed (the output's checksums; with ``record`` the input's too, kept in a
 ``Ledger`` so that the check after the copy need not read them again) are then
-read back from the page cache into one reusable 4 MiB buffer and CRC-32'd; a
+read back from the page cache into a 4 MiB buffer and CRC-32'd, by a second thread
+while the kernel copies (ranges of 8 MiB and more; both release the GIL); a
 range whose CRC the ledger has (a kept tensor copied into every rank file) is
 not read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
 ``pwrite``), which touches the bytes once: on this project's machine it measured
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +39,9 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .crc import crc32, crc32_zeros
 
-COPY_BUFFER = 4 * 1024 * 1024  # see copy_methods: 2-8 MiB equal, 1 MiB and 16 MiB slower
+COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer; copy_methods: 1-16 MiB all equal
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
+OVERLAP_MIN = 8 * 1024 * 1024  # ranges this long are read back by a second thread
 # errno values that mean "this method does not work for these files", not "the copy failed"
 _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 _UNSUPPORTED |= {getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -163,6 +167,7 @@ class Copier:
         self._view: memoryview | None = None
         self.ledger = Ledger() if record else None
         self.disabled: set[str] = set()  # "copy_file_range", "sendfile"
+        self._stop: threading.Event | None = None  # set: a reading thread should stop
         self.used: dict[str, int] = {}  # method -> bytes moved with it
 
     def _buffer(self) -> memoryview:
@@ -183,8 +188,7 @@ class Copier:
         known = self.ledger.get(src) if self.ledger is not None else None
         if known is None and (digest is not None or self.ledger is not None):
             if self.kernel_available():
-                self._pass(src, dst_fd, dst_off, tick, kernel=True)
-                known = self.crc_of(src)  # read back from the page cache (see above)
+                known = self._copy_and_read_back(src, dst_fd, dst_off, tick)
             else:
                 known = self._pass(src, dst_fd, dst_off, tick)
             if self.ledger is not None:
@@ -193,6 +197,34 @@ class Copier:
             self._pass(src, dst_fd, dst_off, tick, kernel=True)
         if digest is not None:
             digest.extend(known, src.nbytes)
+
+    def _copy_and_read_back(self, src: FileRange, dst_fd, dst_off, tick) -> int:
+        """The kernel copy, and the CRC of the same bytes read from the page cache by a
+        second thread meanwhile (both release the GIL: two cores, one wall time)."""
+        if src.nbytes < OVERLAP_MIN or self._stop is not None:
+            self._pass(src, dst_fd, dst_off, tick, kernel=True)
+            return self.crc_of(src)
+        reader = Copier(self._size)
+        reader._stop = threading.Event()
+        box: dict = {}
+
+        def read_back() -> None:
+            try:
+                box["crc"] = reader.crc_of(src)
+            except BaseException as exc:  # handed to the main thread below
+                box["error"] = exc
+
+        thread = threading.Thread(target=read_back, name="yafsdp-crc", daemon=True)
+        thread.start()
+        try:
+            self._pass(src, dst_fd, dst_off, tick, kernel=True)
+        finally:
+            if sys.exc_info()[0] is not None:
+                reader._stop.set()  # an error or Ctrl-C here: do not wait for all of it
+            thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["crc"]
 
     def kernel_available(self) -> bool:
         return any(hasattr(os, m) and m not in self.disabled for m in _KERNEL_METHODS)
@@ -246,6 +278,8 @@ class Copier:
         """Chunks of ``[offset, offset + n)`` read into the one buffer."""
         buf = self._buffer()
         while n:
+            if self._stop is not None and self._stop.is_set():
+                raise CheckpointError(f"{path}: reading stopped")
             want = min(n, len(buf))
             try:
                 got = os.preadv(fd, [buf[:want]], offset)
