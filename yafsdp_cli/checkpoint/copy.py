@@ -18,9 +18,10 @@ range whose CRC the ledger has (a kept tensor copied into every rank file) is
 not read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
 ``pwrite``), which touches the bytes once: on this project's machine it measured
 as fast as ``cp`` at times and 3-5x slower at others (the kernel's write path for
-large user-space writes; ``copy_file_range`` never varied), while the kernel copy
-plus a read back cost a steady ~1.25x the copy alone. Figures: ``python -m
-benchmarks.run copy_methods``; README "Copying at the speed of cp".
+large user-space writes; ``copy_file_range`` never varied). The kernel copy with
+the read back after it cost 1.33-1.39x ``cp``; with the read back in the second
+thread, 0.96x. Figures: ``python -m benchmarks.run copy_methods``; README
+"Copying at the speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated.
