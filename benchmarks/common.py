@@ -22,6 +22,7 @@ class Run:
     peak_rss_bytes: int
     returncode: int
     stdout: bytes
+    cpu_s: float = 0.0  # the command's user + system CPU time (wait4), load-proof-ish
 
 
 # Linux folds the pre-exec image of a forked child into its peak RSS (at exec the
@@ -36,7 +37,7 @@ if pid == 0:
     os.execvp(sys.argv[2], sys.argv[2:])
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as f:
-    f.write(str(usage.ru_maxrss))
+    f.write(f"{usage.ru_maxrss} {usage.ru_utime + usage.ru_stime}")
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
@@ -57,10 +58,10 @@ def measure(argv: list[str], *, env: dict | None = None, stdout_to: Path | None 
         if code != 0:
             err.seek(0)
             sys.stderr.write(err.read().decode(errors="replace"))
-        peak_kib = int(rss.read() or 0)
+        peak_kib, cpu = (rss.read() or "0 0").split()
     if stdout_to:
         stdout_to.write_bytes(data)
-    return Run(wall, peak_kib * 1024, code, data)
+    return Run(wall, int(peak_kib) * 1024, code, data, float(cpu))
 
 
 def median_run(argv: list[str], repeat: int = 5, **kw) -> Run:

@@ -93,7 +93,7 @@ def test_padding_ranges_cover_exactly_the_bytes_no_entry_covers(
     shapes, dtype, world_size, align, sharded
 ):
     from yafsdp_cli import ModelSpec, TensorRecord, plan
-    from yafsdp_cli.checkpoint.reader import _padding
+    from yafsdp_cli.checkpoint.check import padding
     from yafsdp_cli.engine import dtypes
 
     spec = ModelSpec(
@@ -110,7 +110,7 @@ def test_padding_ranges_cover_exactly_the_bytes_no_entry_covers(
     for r in range(shards):
         expected = [not c for c in covered[r * size : (r + 1) * size] for _ in range(isz)]
         got = [False] * (size * isz)
-        for a, z in _padding(b, r, shards):
+        for a, z in padding(b, r, shards):
             assert a < z
             got[a:z] = [True] * (z - a)
         assert got == expected

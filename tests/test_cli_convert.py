@@ -171,15 +171,15 @@ def test_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path, monkeypatch):
     from yafsdp_cli.checkpoint import writer
 
     calls = []
-    real = writer.FileWriter.write
+    real = writer.FileWriter.put  # every piece (file range, zeros, bytes) goes through it
 
-    def interrupted(self, data):
+    def interrupted(self, piece, copier, tick=None):
         calls.append(1)
         if len(calls) > 3:
             raise KeyboardInterrupt
-        real(self, data)
+        real(self, piece, copier, tick)
 
-    monkeypatch.setattr(writer.FileWriter, "write", interrupted)
+    monkeypatch.setattr(writer.FileWriter, "put", interrupted)
     result = run(
         "convert", sample("gpt.safetensors"), "-o", tmp_path / "set", "-n", "2", "--sharded"
     )

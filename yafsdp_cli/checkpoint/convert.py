@@ -1,8 +1,10 @@
 """``convert_checkpoint``: a model source to a flat-buffer checkpoint, streamed.
 
-Each flat buffer is assembled from its entries' source bytes, read tensor by tensor
-(``loaded.reader.iter_bytes``: plain file reads for safetensors, so torch is not
-even imported) and written in order; the model is never held in memory.
+Each flat buffer is assembled from its entries' source bytes, in order: for a
+safetensors source each entry is a range of the source file (neighbours merged
+into one range, ``copy.coalesce``), copied file to file and checksummed in one
+pass (``copy.Copier``; torch is not even imported); other sources stream their
+bytes (``loaded.reader.iter_bytes``). The model is never held in memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
+from .copy import Copier, FileRange
 from .engine import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
@@ -117,11 +120,12 @@ def write_converted(
             layout,
             sharded=sharded,
             buffer_bytes=reads.buffer,
-            kept_bytes=lambda t: reads.tensor(t, t.nbytes),
+            kept_bytes=lambda t: reads.pieces(t, t.nbytes),
             source=name,
             source_metadata=loaded.spec.metadata,
             progress=progress,
             final=out,
+            copier=Copier(record=True),  # a kept tensor copied to N ranks is read once
         )
         bytes_read = reads.total
         check = (
@@ -173,7 +177,7 @@ class _Reads:
     loaded: LoadedModel
     total: int = 0
 
-    def tensor(self, record, nbytes: int) -> Iterator[memoryview]:
+    def _stored(self, record, nbytes: int) -> str:
         stored = self.loaded.stored_name(record)
         have = self.loaded.reader.nbytes(stored)
         if have != nbytes:
@@ -181,6 +185,23 @@ class _Reads:
                 f"{self.loaded.spec.source}: {stored!r} holds {have} bytes, but the layout "
                 f"needs {nbytes} for it"
             )
+        return stored
+
+    def pieces(self, record, nbytes: int) -> Iterator:
+        """The tensor as a file range where the reader knows one, else its bytes."""
+        stored = self._stored(record, nbytes)
+        locate = getattr(self.loaded.reader, "file_range", None)
+        where = locate(stored) if locate is not None else None
+        if where is None:
+            yield from self.tensor(record, nbytes)
+            return
+        path, offset, n = where
+        self.total += n
+        yield FileRange(Path(path), offset, n)
+
+    def tensor(self, record, nbytes: int) -> Iterator[memoryview]:
+        """The tensor's bytes, in chunks (each valid until the next)."""
+        stored = self._stored(record, nbytes)
         seen = 0
         for chunk in self.loaded.reader.iter_bytes(stored, STREAM_CHUNK):
             seen += len(chunk)
@@ -195,7 +216,7 @@ class _Reads:
         pos = 0
         for e in b.entries:
             yield from zeros((e.offset - pos) * isz)
-            yield from self.tensor(e, e.numel * isz)
+            yield from self.pieces(e, e.numel * isz)
             pos = e.offset + e.numel
         yield from zeros((b.padded_numel - pos) * isz)
 

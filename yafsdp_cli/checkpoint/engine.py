@@ -1,11 +1,12 @@
 """Writing a flat checkpoint from byte streams: one file, or one file per rank.
 
-The caller gives, for every buffer, an iterator over the bytes of the whole
-logical buffer (``padded_numel`` elements: entries and zero padding in flat
-order) and, for every kept tensor, an iterator over its bytes. ``write_flat``
-routes each buffer's stream to the rank files (rank ``r`` gets bytes
-``[r * S, (r + 1) * S)``, ``S`` the shard size in bytes) and copies every kept
-tensor into every rank file, so each rank loads exactly one self-contained file.
+The caller gives, for every buffer, the pieces of the whole logical buffer
+(``padded_numel`` elements: entries and zero padding in flat order; ``copy.py``:
+file ranges, zeros, or bytes where no file lies behind them) and, for every kept
+tensor, its pieces. ``write_flat`` routes each buffer's pieces to the rank files
+(rank ``r`` gets bytes ``[r * S, (r + 1) * S)``, ``S`` the shard size in bytes),
+cutting a range only where a shard ends, and copies every kept tensor into every
+rank file, so each rank loads exactly one self-contained file.
 
 Every file has the same tensors in the same data order (``format.data_order``),
 and buffers are streamed in that order, so each file is appended front to back
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..engine.records import TensorRecord
 from ..errors import CheckpointError
+from .copy import Copier, Zeros, coalesce, size_of, split
 from .format import (
     CHECKSUM_ALGO,
     FORMAT_VERSION,
@@ -44,9 +47,9 @@ from .format import (
     rank_file_name,
 )
 from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
-from .writer import ZEROS, FileWriter
+from .writer import FileWriter
 
-Chunks = Iterable  # of bytes-like chunks
+Pieces = Iterable  # of copy.FileRange, copy.Zeros or bytes-like chunks
 
 
 def stored_kept(layout: Layout) -> tuple[TensorRecord, ...]:
@@ -61,12 +64,9 @@ def file_slots(layout: Layout, shards: int) -> list[TensorSlot]:
     return data_order(slots)
 
 
-def zeros(nbytes: int) -> Iterator[memoryview]:
-    view = memoryview(ZEROS)
-    while nbytes > 0:
-        k = min(nbytes, len(view))
-        yield view[:k]
-        nbytes -= k
+def zeros(nbytes: int) -> Iterator[Zeros]:
+    if nbytes > 0:
+        yield Zeros(nbytes)
 
 
 def base_metadata(layout: Layout, source: str, source_metadata: dict[str, str]) -> dict:
@@ -96,16 +96,17 @@ def write_flat(
     layout: Layout,
     *,
     sharded: bool,
-    buffer_bytes: Callable[[BufferLayout], Chunks],
-    kept_bytes: Callable[[TensorRecord], Chunks],
+    buffer_bytes: Callable[[BufferLayout], Pieces],
+    kept_bytes: Callable[[TensorRecord], Pieces],
     source: str = "",
     source_metadata: dict[str, str] | None = None,
     progress: Progress | None = None,
     final: Path | None = None,
+    copier: Copier | None = None,
 ) -> CheckpointInfo:
     """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
     folder when ``sharded``); paths in the result use ``final`` (the name it will
-    be renamed to)."""
+    be renamed to). ``copier`` moves the file ranges (a new one if not given)."""
     final = final or target
     shards = layout.world_size if sharded else 1
     slots = file_slots(layout, shards)
@@ -118,7 +119,8 @@ def write_flat(
             md = {**meta, **(extra if sharded else {KEY_FORMAT: KIND_FLAT})}
             writers.append(FileWriter(path, slots, md))
             writers[-1].suspend()
-        _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress)
+        feed = _Feed(copier or Copier(), _Switch(), None)
+        _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress, feed)
         for w in writers:
             w.finish()
     finally:
@@ -129,18 +131,30 @@ def write_flat(
     return _info(final, layout, sharded, writers)
 
 
-def _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress) -> None:
+def _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress, feed) -> None:
     buffers = {b.name: b for b in layout.buffers}
     kept = {t.name: t for t in stored_kept(layout)}
-    tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
-    switch = _Switch()
+    feed.tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
     for slot in slots:
         if slot.name in buffers:
             b = buffers[slot.name]
             size = b.padded_numel // shards * dtypes.itemsize(b.dtype)
-            _scatter(writers, slot.name, size, buffer_bytes(b), switch, tick)
+            _scatter(writers, slot.name, size, coalesce(buffer_bytes(b)), feed)
         else:
-            _broadcast(writers, slot.name, kept_bytes(kept[slot.name]), switch, tick)
+            _broadcast(writers, slot.name, coalesce(kept_bytes(kept[slot.name])), feed)
+
+
+@dataclass
+class _Feed:
+    """What moves pieces into the rank files: the copier, the open-file switch and
+    the progress counter."""
+
+    copier: Copier
+    switch: _Switch
+    tick: Callable[[int], None] | None
+
+    def put(self, w: FileWriter, piece) -> None:
+        self.switch(w).put(piece, self.copier, self.tick)
 
 
 class _Switch:
@@ -156,24 +170,22 @@ class _Switch:
         return w
 
 
-def _scatter(writers, name: str, size: int, chunks: Chunks, switch, tick) -> None:
-    """Bytes ``[r * size, (r + 1) * size)`` of the stream go to ``writers[r]``."""
+def _scatter(writers, name: str, size: int, pieces: Pieces, feed: _Feed) -> None:
+    """Bytes ``[r * size, (r + 1) * size)`` of the pieces go to ``writers[r]``."""
     r, filled = 0, 0
-    switch(writers[0]).begin(name)
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while len(view):
+    feed.switch(writers[0]).begin(name)
+    for piece in pieces:
+        while size_of(piece):
             while filled == size:
                 writers[r].end()
                 r, filled = r + 1, 0
                 if r == len(writers):
                     raise CheckpointError(f"{name}: the data is longer than the layout says")
-                switch(writers[r]).begin(name)
-            k = min(len(view), size - filled)
-            switch(writers[r]).write(view[:k])
+                feed.switch(writers[r]).begin(name)
+            k = min(size_of(piece), size - filled)
+            head, piece = split(piece, k)
+            feed.put(writers[r], head)
             filled += k
-            view = view[k:]
-            tick(k)
     while True:
         if filled != size:
             short = size - filled + (len(writers) - r - 1) * size
@@ -182,17 +194,15 @@ def _scatter(writers, name: str, size: int, chunks: Chunks, switch, tick) -> Non
         r, filled = r + 1, 0
         if r == len(writers):
             return
-        switch(writers[r]).begin(name)
+        feed.switch(writers[r]).begin(name)
 
 
-def _broadcast(writers, name: str, chunks: Chunks, switch, tick) -> None:
+def _broadcast(writers, name: str, pieces: Pieces, feed: _Feed) -> None:
     for w in writers:
-        switch(w).begin(name)
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
+        feed.switch(w).begin(name)
+    for piece in pieces:
         for w in writers:
-            switch(w).write(view)
-            tick(len(view))
+            feed.put(w, piece)
     for w in writers:
         w.end()
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.layout import Layout, layout_from_dict, layout_to_dict
 from ..errors import CheckpointError
+from .crc import crc32, crc32_combine, crc32_zeros
 
 FORMAT_VERSION = 1
 KIND_FLAT = "flat"
@@ -70,14 +70,16 @@ YAFSDP_KEYS = (
 # digest in the same header; CRC-32 detects every error burst up to 32 bits and
 # misses a random corruption with probability 2**-32, at 2.3x sha256's speed,
 # which matters on a path whose bar is 2x a plain copy. Readers also accept
-# "sha256:" so the algorithm can change without a new format version.
+# "sha256:" so the algorithm can change without a new format version. Since
+# issue 13 the same CRC-32 is computed by isal when installed (crc.py: 30 GB/s
+# against zlib's 4.9), so files and their checksums are unchanged.
 CHECKSUM_ALGO = "crc32"
 
-# Bytes read, hashed and written per step. Small enough that the chunk stays in the
-# CPU's L2 cache between the read, the checksum and the write: copying the 1.24 GiB
-# benchmark file through Python (readinto + crc32 + write, page cache warm) took
-# 0.9-1.1 s with 128 KiB chunks, 2.1 s with 512 KiB and 1.8-4.2 s with 16 MiB (median
-# of 3 each, same machine); per-chunk Python overhead is ~10k calls per GiB.
+# Bytes per step for byte streams that have no file behind them (a .pt state dict's
+# tensors, the --verify comparison); file ranges go through copy.Copier, whose
+# measured best step is larger (4 MiB, benchmarks/bench_copy_methods.py). Before
+# issue 13: 128 KiB kept a chunk in L2 between read, checksum and write (0.9-1.1 s
+# for the 1.24 GiB benchmark file, against 1.8-4.2 s with 16 MiB, median of 3).
 STREAM_CHUNK = 128 * 1024
 
 
@@ -95,7 +97,24 @@ class Checksum:
         if self._sha is not None:
             self._sha.update(data)
         else:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = crc32(data, self._crc)
+
+    def extend(self, piece_crc: int, n: int) -> None:
+        """Append a piece of ``n`` bytes whose CRC-32 is known (CRC-32 only: what
+        yafsdp writes; sha256 is only ever read)."""
+        if self._sha is not None:
+            raise CheckpointError("a sha256 checksum cannot be extended by a CRC-32")
+        self._crc = crc32_combine(self._crc, piece_crc, n)
+
+    def update_zeros(self, n: int) -> None:
+        """As ``update(bytes(n))``, without the bytes for CRC-32."""
+        if self._sha is None:
+            self._crc = crc32_zeros(self._crc, n)
+            return
+        block = bytes(min(n, STREAM_CHUNK))
+        while n > 0:
+            self._sha.update(block[: min(n, len(block))])
+            n -= len(block)
 
     def text(self) -> str:
         digest = self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"

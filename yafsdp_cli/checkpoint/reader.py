@@ -3,8 +3,9 @@
 ``open_flat`` checks structure from the headers alone (every header through the
 defensive safetensors parser, the layout against its checksum and invariants,
 each file's tensors against the layout, each rank file against the index);
-``FlatCheckpoint.verify`` then reads every byte once: checksums and zero padding.
-Nothing is trusted before both have passed.
+``FlatCheckpoint.verify`` then checks every byte once: checksums and zero padding
+(``check.py``; bytes a copier has just copied are not read twice). Nothing is
+trusted before both have passed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
 from ..sources.safetensors_file import StHeader, read_header
+from .check import StoredTensor, Ticks, digest_of, padding
+from .copy import Copier, FileRange
 from .engine import file_slots
 from .format import (
     FORMAT_VERSION,
@@ -37,7 +40,6 @@ from .format import (
     KIND_FLAT,
     KIND_SHARD,
     STREAM_CHUNK,
-    Checksum,
     algo_of,
     checksum_of,
     int_field,
@@ -47,19 +49,6 @@ from .format import (
     rank_file_name,
 )
 from .results import Progress
-
-
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
-    """A tensor in a flat file: bytes ``[offset, offset + nbytes)`` of ``path``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    path: Path
-    offset: int  # from the start of the file
-    nbytes: int
-    checksum: str  # as the metadata records it
 
 
 @dataclass(frozen=True)
@@ -89,42 +78,48 @@ class FlatCheckpoint:
     def nbytes(self) -> int:
         return sum(t.nbytes for f in self.files for t in f.values())
 
-    def read_range(self, b: BufferLayout, start: int, stop: int) -> Iterator[memoryview]:
-        """Bytes ``[start, stop)`` of logical buffer ``b`` (across rank files)."""
+    def ranges(self, b: BufferLayout, start: int, stop: int) -> Iterator[FileRange]:
+        """Where bytes ``[start, stop)`` of logical buffer ``b`` lie (one range per
+        rank file they touch)."""
         size = b.padded_numel // self.shards * dtypes.itemsize(b.dtype)
         while start < stop:
             r, local = divmod(start, size)
             n = min(stop - start, size - local)
             t = self.files[r][b.name]
-            yield from read_chunks(t.path, t.offset + local, n)
+            yield FileRange(t.path, t.offset + local, n)
             start += n
+
+    def read_range(self, b: BufferLayout, start: int, stop: int) -> Iterator[memoryview]:
+        """Bytes ``[start, stop)`` of logical buffer ``b`` (across rank files)."""
+        for fr in self.ranges(b, start, stop):
+            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
+
+    def kept_range(self, name: str) -> FileRange:
+        t = self.files[0][name]
+        return FileRange(t.path, t.offset, t.nbytes)
 
     def kept_bytes(self, name: str) -> Iterator[memoryview]:
         t = self.files[0][name]
         return read_chunks(t.path, t.offset, t.nbytes)
 
-    def verify(self, progress: Progress | None = None) -> int:
-        """Read every stored tensor: checksum, and zero padding in buffers.
+    def verify(self, progress: Progress | None = None, copier: Copier | None = None) -> int:
+        """Read every stored tensor: checksum, and zero padding in buffers (holes of
+        a sparse file are zeros by definition, so they are not read). Ranges that
+        ``copier`` already copied (its ledger has their CRC-32) are not read again.
         Returns how many tensors were checked; raises ``CheckpointError``."""
         buffers = {b.name: b for b in self.layout.buffers}
-        total, done, count = self.nbytes, 0, 0
+        copier = copier or Copier()
+        tick = Ticks(progress, self.nbytes)
+        count = 0
         for r, tensors in enumerate(self.files):
             for t in sorted(tensors.values(), key=lambda t: t.offset):
-                pads = _padding(buffers[t.name], r, self.shards) if t.name in buffers else []
-                digest = Checksum(algo_of(t.checksum))
-                pos = 0
-                for chunk in read_chunks(t.path, t.offset, t.nbytes):
-                    digest.update(chunk)
-                    _check_zero(t, buffers.get(t.name), pads, pos, chunk)
-                    pos += len(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress("checking", done, total)
-                if digest.text() != t.checksum:
+                pads = padding(buffers[t.name], r, self.shards) if t.name in buffers else []
+                found = digest_of(t, pads, copier, tick)
+                if found != t.checksum:
                     what = "buffer" if t.name in buffers else "tensor"
                     raise CheckpointError(
                         f"{t.path}: {what} {t.name!r} fails its checksum (stored {t.checksum}, "
-                        f"the data gives {digest.text()}); the file is corrupt or was modified: "
+                        f"the data gives {found}); the file is corrupt or was modified: "
                         "convert it again from the source"
                     )
                 count += 1
@@ -136,39 +131,6 @@ def read_chunks(
 ) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
     return _read_file_chunks(path, offset, nbytes, chunk, error=CheckpointError)
-
-
-def _padding(b: BufferLayout, rank: int, shards: int) -> list[tuple[int, int]]:
-    """Byte ranges, relative to rank ``rank``'s slice of ``b``, that are padding."""
-    size = b.padded_numel // shards
-    lo, hi = rank * size, (rank + 1) * size
-    out, pos = [], lo
-    for e in b.entries:
-        if e.offset + e.numel <= lo or not e.numel:
-            continue
-        if e.offset >= hi:
-            break
-        if e.offset > pos:
-            out.append((pos, e.offset))
-        pos = max(pos, e.offset + e.numel)
-    if pos < hi:
-        out.append((pos, hi))
-    isz = dtypes.itemsize(b.dtype)
-    return [((a - lo) * isz, (z - lo) * isz) for a, z in out]
-
-
-def _check_zero(t: StoredTensor, b, pads, pos: int, chunk: memoryview) -> None:
-    end = pos + len(chunk)
-    for a, z in pads:
-        if z <= pos or a >= end:
-            continue
-        piece = chunk[max(a, pos) - pos : min(z, end) - pos].tobytes()
-        if piece != bytes(len(piece)):
-            first = max(a, pos) + next(i for i, v in enumerate(piece) if v)
-            raise CheckpointError(
-                f"{t.path}: padding of buffer {t.name!r} is not zero (byte {first} of the "
-                "stored tensor); padding must be zero: the file was modified"
-            )
 
 
 # ------------------------------------------------------------------ opening

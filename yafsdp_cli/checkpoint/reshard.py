@@ -3,7 +3,9 @@
 No model is needed: the layout is re-planned from the stored entries with the
 stored alignment preset for the new world size. Parameter starts depend only on
 the preset and the dtype, so entries keep their offsets and only the end padding
-changes; the data is copied by byte ranges, entry by entry.
+changes; the data is copied by byte ranges, neighbouring entries as one range
+(``copy.coalesce``), checksummed for the new files and for checking the input in
+the same pass; ``verify`` then reads only what was not copied (padding, replicas).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from ..errors import CheckpointError
+from .copy import Copier
 from .engine import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult
@@ -64,14 +67,15 @@ def reshard_checkpoint(
     force: bool = False,
     progress: Progress | None = None,
 ) -> ReshardResult:
-    """Verify ``flat`` (file, set folder or index), then write it for ``world_size``
-    ranks: one file, or with ``sharded`` a folder of rank files and an index."""
+    """Write ``flat`` (file, set folder or index) for ``world_size`` ranks: one
+    file, or with ``sharded`` a folder of rank files and an index. The input is
+    verified (checksums, padding) in the same pass before the output appears."""
     out = Path(out)
     check_flat_name(out, sharded=sharded)
     ckpt = open_flat(flat)
     new = relayout(ckpt.layout, world_size)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=sharded)
-    checked = ckpt.verify(progress)
+    copier = Copier(record=True)
     old = {b.name: b for b in ckpt.layout.buffers}
     with staged_output(out, folder=sharded) as staged:
         info = write_flat(
@@ -79,12 +83,14 @@ def reshard_checkpoint(
             new,
             sharded=sharded,
             buffer_bytes=lambda b: _buffer_bytes(ckpt, old[b.name], b),
-            kept_bytes=lambda t: ckpt.kept_bytes(t.name),
+            kept_bytes=lambda t: [ckpt.kept_range(t.name)],
             source=ckpt.source,
             source_metadata=ckpt.source_metadata,
             progress=progress,
             final=out,
+            copier=copier,
         )
+        checked = ckpt.verify(progress, copier)  # reads only what was not copied
     return ReshardResult(
         input=str(ckpt.root),
         input_world_size=ckpt.layout.world_size,
@@ -105,4 +111,4 @@ def _buffer_bytes(ckpt: FlatCheckpoint, old: BufferLayout, new: BufferLayout) ->
 
 
 def _entry_bytes(ckpt: FlatCheckpoint, b: BufferLayout, e: FlatEntry, isz: int) -> Iterator:
-    return ckpt.read_range(b, e.offset * isz, (e.offset + e.numel) * isz)
+    return ckpt.ranges(b, e.offset * isz, (e.offset + e.numel) * isz)

@@ -1,7 +1,10 @@
 """``restore_checkpoint``: a flat checkpoint back to the ordinary state dict.
 
 Every entry's slice and every kept tensor is copied out by byte ranges, so each
-tensor is bit for bit what the source held. Tied names follow
+tensor is bit for bit what the source held. The bytes are read once: each range
+is copied and checksummed in one pass (``copy.Copier`` with a ledger), then
+``verify`` combines those checksums with what was not copied (padding, replicas),
+read there, and compares them with the stored ones before the output is renamed. Tied names follow
 ``safetensors.torch.save_model``: a tied tensor is stored once, under its first
 name, and the metadata maps each dropped name to the stored one, so
 ``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
@@ -11,15 +14,16 @@ tensor (it holds the model in memory once; ``.safetensors`` output streams).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
+from .copy import Copier, FileRange, coalesce
 from .engine import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot, data_order
-from .reader import FlatCheckpoint, open_flat
+from .reader import FlatCheckpoint, open_flat, read_chunks
 from .results import Progress, RestoreResult, WrittenFile
 from .writer import FileWriter, check_output, staged_output
 
@@ -32,7 +36,11 @@ class _Item:
 
     slot: TensorSlot
     aliases: tuple[str, ...]
-    read: Callable[[], Iterable]  # -> chunks of its bytes
+    ranges: Callable[[], Iterable[FileRange]]  # -> where its bytes lie
+
+    def read(self) -> Iterator[memoryview]:
+        for fr in self.ranges():
+            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
 
 
 def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
@@ -43,13 +51,13 @@ def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
         for e in b.entries:
             start, stop = e.offset * isz, (e.offset + e.numel) * isz
 
-            def read(b=b, start=start, stop=stop):
-                return ckpt.read_range(b, start, stop)
+            def ranges(b=b, start=start, stop=stop):
+                return ckpt.ranges(b, start, stop)
 
-            items.append(_Item(TensorSlot(e.name, e.dtype, e.shape), e.aliases, read))
+            items.append(_Item(TensorSlot(e.name, e.dtype, e.shape), e.aliases, ranges))
     for t in stored_kept(ckpt.layout):
         slot = TensorSlot(t.name, t.dtype, t.shape)
-        items.append(_Item(slot, t.aliases, lambda n=t.name: ckpt.kept_bytes(n)))
+        items.append(_Item(slot, t.aliases, lambda n=t.name: [ckpt.kept_range(n)]))
     return items
 
 
@@ -57,20 +65,24 @@ def restore_checkpoint(
     flat: str | Path, out: str | Path, *, force: bool = False, progress: Progress | None = None
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
-    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``), after verifying
-    every checksum and the zero padding."""
+    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``). Every checksum and
+    the zero padding are verified before ``out`` appears: for ``.safetensors`` in
+    the same pass as the copy (the bytes are read once, checksummed and written to
+    the hidden temporary; a mismatch removes it)."""
     out = Path(out)
     fmt = _format_of(out)
     ckpt = open_flat(flat)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
-    checked = ckpt.verify(progress)
+    copier = Copier(record=True)
     items = state_dict_items(ckpt)
     tied = {a: it.slot.name for it in items for a in it.aliases}
     with staged_output(out, folder=False) as staged:
         if fmt == "pt":
+            checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
         else:
-            _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress)
+            _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
+            checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
     return RestoreResult(
         input=str(ckpt.root),
@@ -105,19 +117,23 @@ def _metadata(ckpt: FlatCheckpoint, tied: dict[str, str]) -> dict[str, str]:
     return {**meta, **tied, "format": "pt"}
 
 
-def _write_safetensors(path: Path, items, metadata, progress) -> None:
+def _write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> None:
     by_name = {it.slot.name: it for it in items}
     slots = data_order([it.slot for it in items])
     total, done = sum(s.nbytes for s in slots), 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("writing", done, total)
+
     writer = FileWriter(path, slots, metadata, checksums=False)
     try:
         for slot in slots:
             writer.begin(slot.name)
-            for chunk in by_name[slot.name].read():
-                writer.write(chunk)
-                done += len(chunk)
-                if progress is not None:
-                    progress("writing", done, total)
+            for piece in coalesce(by_name[slot.name].ranges()):
+                writer.put(piece, copier, tick)
             writer.end()
         writer.finish()
     finally:

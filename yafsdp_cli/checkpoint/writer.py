@@ -2,9 +2,11 @@
 
 ``FileWriter`` writes one safetensors file front to back without holding any
 tensor: the header goes first (every offset is known from the slots), with
-fixed-width placeholder checksums; each tensor's bytes are then streamed in data
-order and hashed on the way; ``finish()`` rewrites the header in place with the
-real checksums (same length by construction).
+fixed-width placeholder checksums, and the file is sized whole at once, so that
+zeros (padding) are skipped rather than written and read back as zeros (holes
+where the file system has them); each tensor's pieces (``copy.py``: file ranges,
+zeros, bytes) then follow in data order, hashed on the way; ``finish()`` rewrites
+the header in place with the real checksums (same length by construction).
 
 ``staged_output`` makes a command's output appear whole or not at all: data goes
 to a hidden temporary file (or folder) beside the target, renamed over it at the
@@ -25,9 +27,8 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from .format import INDEX_NAME, KEY_CHECKSUMS, STREAM_CHUNK, Checksum, TensorSlot, placeholder
-
-ZEROS = bytes(STREAM_CHUNK)
+from .copy import Copier, FileRange, Zeros, size_of, write_at
+from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, placeholder
 
 
 class FileWriter:
@@ -57,10 +58,19 @@ class FileWriter:
         self.header_len = len(header)
         self.data_start = 8 + len(header)
         self.nbytes = self.data_start + sum(s.nbytes for s in slots)
-        with open(path, "xb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {path} ({exc.strerror})") from None
+        try:
+            write_at(fd, struct.pack("<Q", len(header)) + header, 0, path)
+            os.ftruncate(fd, self.nbytes)  # the rest reads as zeros until written
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {path} ({exc.strerror})") from None
+        finally:
+            os.close(fd)
         self._pos = self.data_start
-        self._f = None
+        self._fd: int | None = None
         self._next = 0  # index of the next slot to begin
         self._current: list | None = None  # [slot, bytes left, Checksum or None]
 
@@ -81,17 +91,19 @@ class FileWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         return raw + b" " * (-len(raw) % 8)  # data starts 8-byte aligned
 
-    def _file(self):
-        if self._f is None:
-            self._f = open(self.path, "r+b")  # noqa: SIM115 (kept open across writes)
-            self._f.seek(self._pos)
-        return self._f
+    def _file(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY)
+            except OSError as exc:
+                raise CheckpointError(f"cannot write {self.path} ({exc.strerror})") from None
+        return self._fd
 
     def suspend(self) -> None:
         """Close the handle until the next write."""
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def begin(self, name: str) -> None:
         if self._current is not None or self._next >= len(self.slots):
@@ -102,22 +114,47 @@ class FileWriter:
         self._next += 1
         self._current = [slot, slot.nbytes, Checksum() if self.with_checksums else None]
 
-    def write(self, data) -> None:
+    def _claim(self, n: int) -> list:
         cur = self._current
-        if cur is None or len(data) > cur[1]:
+        if cur is None or n > cur[1]:
             what = cur[0].name if cur else "no tensor"
             raise CheckpointError(f"{self.path}: more bytes than {what} holds")
+        return cur
+
+    def write(self, data) -> None:
+        cur = self._claim(len(data))
         if cur[2] is not None:
             cur[2].update(data)
-        self._file().write(data)
+        write_at(self._file(), data, self._pos, self.path)
         self._pos += len(data)
         cur[1] -= len(data)
 
     def write_zeros(self, n: int) -> None:
-        while n > 0:
-            k = min(n, len(ZEROS))
-            self.write(memoryview(ZEROS)[:k])
-            n -= k
+        """Skip ``n`` bytes: the file was sized whole, so they read as zeros."""
+        cur = self._claim(n)
+        if cur[2] is not None:
+            cur[2].update_zeros(n)
+        self._pos += n
+        cur[1] -= n
+
+    def copy(self, src: FileRange, copier: Copier, tick=None) -> None:
+        """Copy a file range here (the kernel's copy when no checksum is kept)."""
+        cur = self._claim(src.nbytes)
+        copier.copy(src, self._file(), self._pos, cur[2], tick)
+        self._pos += src.nbytes
+        cur[1] -= src.nbytes
+
+    def put(self, piece, copier: Copier, tick=None) -> None:
+        """One piece of the current tensor: a ``FileRange``, ``Zeros`` or bytes."""
+        if isinstance(piece, FileRange):
+            self.copy(piece, copier, tick)
+            return
+        if isinstance(piece, Zeros):
+            self.write_zeros(piece.nbytes)
+        else:
+            self.write(piece)
+        if tick:
+            tick(size_of(piece))
 
     def end(self) -> str:
         """Close the current tensor; returns its checksum."""
@@ -137,11 +174,8 @@ class FileWriter:
         header = self._header(self.checksums)
         if len(header) != self.header_len:  # cannot happen: digests are fixed width
             raise CheckpointError(f"{self.path}: header changed size while patching")
-        f = self._file()
-        f.seek(8)
-        f.write(header)
-        f.close()
-        self._f = None
+        write_at(self._file(), header, 8, self.path)
+        self.suspend()
 
     def close(self) -> None:
         self.suspend()

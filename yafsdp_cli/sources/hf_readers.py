@@ -23,6 +23,10 @@ class RenamedReader:
     def iter_bytes(self, name: str, *args, **kwargs):
         return self.reader.iter_bytes(self.mapping.get(name, name), *args, **kwargs)
 
+    def file_range(self, name: str):
+        locate = getattr(self.reader, "file_range", None)
+        return locate(self.mapping.get(name, name)) if locate else None
+
     def load(self, name: str):
         return self.reader.load(self.mapping.get(name, name))
 

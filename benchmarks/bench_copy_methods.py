@@ -1,0 +1,116 @@
+"""How to move checkpoint bytes: the measurements behind ``checkpoint/copy.py``.
+
+Copies the 1.24 GiB benchmark checkpoint (bench_convert) whole, file to file, in
+this process, with each way ``Copier`` can do it, beside ``cp`` of the same file;
+every method runs once per round, in a shuffled order, REPEAT rounds, each output
+deleted and ``sync`` run before each copy (outside the timing). No bar: this is
+the evidence for the choice (see README "Copying at the speed of cp"):
+
+* kernel copy, no checksum: what restore does after verifying (copy_file_range);
+* kernel copy, then the checksum read back from the page cache (two passes), and
+  the same with the read back in a second thread meanwhile (what Copier does);
+* one buffered pass (preadv into one buffer, CRC-32, pwrite): convert and reshard;
+* the same with zlib's CRC-32 instead of isal's, and with other buffer sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from yafsdp_cli.checkpoint import crc as crc_mod
+from yafsdp_cli.checkpoint.copy import Copier, FileRange
+from yafsdp_cli.checkpoint.format import Checksum
+
+from .bench_convert import make_checkpoint
+from .common import DATA, MiB
+
+REPEAT = 5
+
+
+def _copy_into(out: Path, size: int, work) -> None:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        work(fd)
+    finally:
+        os.close(fd)
+
+
+def methods(src: Path, out: Path) -> dict:
+    size = src.stat().st_size
+    whole = FileRange(src, 0, size)
+
+    def kernel(fd, disable=()):
+        c = Copier()
+        c.disabled.update(disable)
+        c.copy(whole, fd, 0)
+
+    def kernel_then_crc(fd):
+        kernel(fd)
+        Copier().hash(whole, Checksum())
+
+    def kernel_with_crc_thread(fd):  # what Copier.copy does with a digest
+        Copier().copy(whole, fd, 0, Checksum())
+
+    def one_pass(buffer_bytes):
+        return lambda fd: Copier(buffer_bytes).copy(whole, fd, 0, Checksum())
+
+    def one_pass_zlib(fd):
+        fast, crc_mod._fast_crc32 = crc_mod._fast_crc32, None
+        try:
+            one_pass(4 * MiB)(fd)
+        finally:
+            crc_mod._fast_crc32 = fast
+
+    table = {
+        "cp": None,
+        "copy_file_range, no checksum": kernel,
+        "sendfile, no checksum": lambda fd: kernel(fd, ("copy_file_range",)),
+        "copy_file_range + CRC read back": kernel_then_crc,
+        "the same, read back by a 2nd thread": kernel_with_crc_thread,
+        "one pass, 1 MiB buffer": one_pass(MiB),
+        "one pass, 4 MiB buffer": one_pass(4 * MiB),
+        "one pass, 16 MiB buffer": one_pass(16 * MiB),
+        "one pass, 4 MiB, zlib CRC": one_pass_zlib,
+    }
+    return {k: (lambda w=w: _copy_into(out, size, w)) if w else None for k, w in table.items()}
+
+
+def main() -> bool:
+    DATA.mkdir(parents=True, exist_ok=True)
+    src, out = DATA / "llama-1.2g-fp32.safetensors", DATA / "copy-methods.out"
+    make_checkpoint(src)
+    Copier().hash(FileRange(src, 0, src.stat().st_size), Checksum())  # warm the cache
+    table = methods(src, out)
+    times: dict[str, list[float]] = {k: [] for k in table}
+    print(f"  load average before: {os.getloadavg()[0]:.2f}; CRC backend {crc_mod.backend()}")
+    rng = random.Random(0)
+    for _ in range(REPEAT):
+        order = list(table)
+        rng.shuffle(order)
+        for name in order:
+            if out.exists():
+                out.unlink()
+            os.sync()
+            start = time.perf_counter()
+            if table[name] is None:
+                subprocess.run(["cp", str(src), str(out)], check=True)
+            else:
+                table[name]()
+            times[name].append(time.perf_counter() - start)
+    out.unlink()
+    cp = statistics.median(times["cp"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {name:<34} median {m:.3f} s  ({m / cp:.2f}x cp)  min {min(ts):.3f} s")
+    print(f"  load average after: {os.getloadavg()[0]:.2f}")
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if main() else 1)
