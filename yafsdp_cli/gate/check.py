@@ -6,9 +6,12 @@ Figures compared, all "more is worse":
   baseline, the largest unit (what is gathered at once) and the parameter count.
   Padding is not a figure of its own: it shows in the totals, and a few hundred
   bytes of it must not fail a build. Default tolerance ``MEMORY_TOLERANCE``;
-- the fake training step (``gate.step``): its peak, each phase's peak, and the
-  bytes of each category at the peak. Fake figures are exact and deterministic,
-  so their default tolerance, ``STEP_TOLERANCE``, is tight.
+- the fake training step (``gate.step``): its peak, each phase's peak, the bytes
+  of each category at the peak, and the activations the modules saved for backward
+  (alive when backward began: what an attention switch or dropped checkpointing
+  changes even where the peak moves to another moment and its activations shrink).
+  Fake figures are exact and deterministic, so their default tolerance,
+  ``STEP_TOLERANCE``, is tight.
 
 A figure that grew by more than its tolerance is a regression; a figure that was 0
 and is not is one at any tolerance. Activations that grew are explained by the
@@ -48,6 +51,7 @@ STEP_CATEGORY_NAMES = {
     "temporaries": "temporaries at peak",
     "buffers": "buffers at peak",
 }
+SAVED_NAME = "activations saved for backward"
 PHASE_NAMES = {
     "forward": "forward peak",
     "backward": "backward peak",
@@ -141,16 +145,23 @@ def compare_step(old: StepFigures, new: StepFigures, tolerance: float) -> list[M
     the modules that account for them."""
     check_tolerance(tolerance)
     out = [metric("step peak", "bytes", old.peak_total, new.peak_total, tolerance, "step")]
+    why = explain(old.modules, new.modules)
     for category, name in STEP_CATEGORY_NAMES.items():
-        m = metric(name, "bytes", old.peak[category], new.peak[category], tolerance, "step")
-        if category == "activations" and m.regressed:
-            m = _with_explanation(m, explain(old.modules, new.modules))
-        out.append(m)
+        out.append(metric(name, "bytes", old.peak[category], new.peak[category], tolerance, "step"))
+        if category == "activations":
+            a, b = saved_total(old.modules), saved_total(new.modules)
+            out.append(metric(SAVED_NAME, "bytes", a, b, tolerance, "step"))
+            out[-2:] = [_with_explanation(m, why) if m.regressed else m for m in out[-2:]]
     for phase, name in PHASE_NAMES.items():
         if phase in old.phase_peaks or phase in new.phase_peaks:
             a, b = old.phase_peaks.get(phase, 0), new.phase_peaks.get(phase, 0)
             out.append(metric(name, "bytes", a, b, tolerance, "step"))
     return out
+
+
+def saved_total(modules: Sequence[ModuleSaved]) -> int:
+    """What the model's modules saved for backward: the sum over the outermost ones."""
+    return sum(m.saved for m in modules if "." not in m.pattern)
 
 
 def _with_explanation(m: MetricCheck, modules: tuple[str, ...]) -> MetricCheck:
