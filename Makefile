@@ -29,8 +29,8 @@ demo: install
 	$(BIN)/yafsdp restore $(DEMO)/llama.flat.safetensors -o $(DEMO)/llama.restored.safetensors
 	$(BIN)/yafsdp verify sample_models/llama.safetensors --model sample_models.models:llama --world-size 2
 	$(BIN)/yafsdp profile sample_models/gpt.safetensors --model sample_models.models:gpt --world-size 4
-	$(BIN)/yafsdp check sample_models/llama.safetensors --baseline $(DEMO)/llama.mem.json --update -n 8
-	$(BIN)/yafsdp check sample_models/llama.safetensors --baseline $(DEMO)/llama.mem.json
+	$(BIN)/yafsdp check --model sample_models.models:llama --baseline $(DEMO)/llama.mem.json --update -n 8 --seq-len 64
+	$(BIN)/yafsdp check --baseline $(DEMO)/llama.mem.json
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
-from yafsdp_cli.gate.check import compare
+from yafsdp_cli.gate.baseline import MemoryFigures
+from yafsdp_cli.gate.check import compare_memory
 
 runner = CliRunner()
 
@@ -35,10 +36,12 @@ def baseline(tmp_path):
     return model, base
 
 
-def test_update_writes_an_inspect_document_and_an_unchanged_model_passes(baseline):
+def test_update_writes_a_baseline_and_an_unchanged_model_passes(baseline):
     model, base = baseline
     doc = json.loads(base.read_text())
-    assert doc["schema"] == "yafsdp.inspect/1" and doc["inputs"]["world_size"] == 4
+    assert doc["schema"] == "yafsdp.baseline/2" and doc["inputs"]["world_size"] == 4
+    # No architecture: no step, and the baseline says why.
+    assert doc["step"] is None and "no architecture" in doc["skipped"][0]
     # Written through a temporary file: nothing else is left beside it.
     assert {p.name for p in base.parent.iterdir()} == {"model.safetensors", "mem.json"}
     result = runner.invoke(app, ["check", str(model), "-b", str(base)])
@@ -54,7 +57,7 @@ def test_a_bigger_model_is_a_regression_naming_the_figures(baseline):
     result = runner.invoke(app, ["check", str(model), "-b", str(base), "--json"])
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
-    assert doc["schema"] == "yafsdp.check/1" and doc["passed"] is False
+    assert doc["schema"] == "yafsdp.check/2" and doc["passed"] is False
     regressed = {m["name"] for m in doc["metrics"] if m["regressed"]}
     assert {"parameters", "flat total per rank", "DDP baseline per rank"} <= regressed
     table = runner.invoke(app, ["check", str(model), "-b", str(base)])
@@ -83,8 +86,10 @@ def test_options_override_the_recorded_inputs(baseline):
     [
         (None, "no baseline at"),
         ("{not json", "is not valid JSON"),
-        ('{"schema": "yafsdp.profile/1"}', "expected 'yafsdp.inspect/1'"),
+        ('{"schema": "yafsdp.profile/1"}', "expected 'yafsdp.baseline/2'"),
         ('{"schema": "yafsdp.inspect/1", "inputs": {}}', "lacks"),
+        ('{"schema": "yafsdp.baseline/2", "source": {}}', "lacks"),
+        ("[1, 2]", "has schema 'list'"),
     ],
 )
 def test_bad_baselines_exit_2(tmp_path, content, message):
@@ -97,18 +102,38 @@ def test_bad_baselines_exit_2(tmp_path, content, message):
 
 
 def test_compare_handles_a_figure_that_was_zero():
-    def doc(padding, params):
-        schemes = [{"scheme": "yafsdp", "persistent": 10}]
-        memory = {
-            "flat_bytes": 10,
-            "baseline_bytes": 10,
-            "largest_unit_bytes": padding,
-            "schemes": schemes,
-        }
-        return {"memory": memory, "params": {"total_numel": params}, "inputs": {}}
+    def figures(unit, params):
+        return MemoryFigures(10, 10, 10, unit, params)
 
-    report = compare(doc(0, 5), doc(4, 5), tolerance_percent=1, baseline_path="b", inputs={})
-    grown = {m.name: m for m in report.metrics}["largest unit (gathered)"]
-    assert grown.change_percent is None and grown.regressed and not report.passed
-    same = compare(doc(0, 5), doc(0, 5), tolerance_percent=1, baseline_path="b", inputs={})
-    assert same.passed
+    metrics = compare_memory(figures(0, 5), figures(4, 5), 1)
+    grown = {m.name: m for m in metrics}["largest unit (gathered)"]
+    assert grown.change_percent is None and grown.regressed
+    assert not any(m.regressed for m in compare_memory(figures(0, 5), figures(0, 5), 1))
+
+
+def test_an_inspect_document_is_still_a_baseline_and_says_what_it_skipped(tmp_path):
+    model = tmp_path / "model.safetensors"
+    write_model(model, layers=2)
+    old = tmp_path / "old.json"
+    inspect = runner.invoke(app, ["inspect", str(model), "-n", "4", "--json"])
+    assert inspect.exit_code == 0, inspect.output
+    old.write_text(inspect.stdout)
+    result = runner.invoke(app, ["check", "-b", str(old), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["passed"] and len(doc["metrics"]) == 5 and doc["inputs"]["world_size"] == 4
+    assert any("no step figures" in s for s in doc["skipped"])
+    write_model(model, layers=3)
+    assert runner.invoke(app, ["check", "-b", str(old)]).exit_code == 1
+    # --update rewrites it as a versioned baseline.
+    assert runner.invoke(app, ["check", "-b", str(old), "--update"]).exit_code == 0
+    assert json.loads(old.read_text())["schema"] == "yafsdp.baseline/2"
+
+
+def test_update_replaces_an_unreadable_baseline(tmp_path):
+    model, base = tmp_path / "m.safetensors", tmp_path / "b.json"
+    write_model(model, layers=2)
+    base.write_text("{not json")
+    result = runner.invoke(app, ["check", str(model), "-b", str(base), "--update"])
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["check", "-b", str(base)]).exit_code == 0

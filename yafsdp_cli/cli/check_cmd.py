@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -37,15 +34,49 @@ def check_command(
     ] = None,
     baseline: Annotated[
         Path,
-        typer.Option("--baseline", "-b", help="A saved `yafsdp inspect --json` document."),
+        typer.Option("--baseline", "-b", help="The baseline JSON (`check --update` writes it)."),
     ] = ...,
     update: Annotated[
         bool, typer.Option("--update", help="Write the current figures as the new baseline.")
     ] = False,
     tolerance: Annotated[
-        float,
-        typer.Option("--tolerance", help="Allowed growth of any figure, in percent.", min=0),
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            "--tolerance",
+            min=0,
+            help="Allowed growth of any figure, in percent. Default: 1 for the memory "
+            "model, 0.1 for the fake step (its figures are exact).",
+            show_default=False,
+        ),
+    ] = None,
+    step_tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--step-tolerance",
+            min=0,
+            help="Allowed growth of the fake step's figures, in percent. Default: "
+            "--tolerance if given, else 0.1.",
+            show_default=False,
+        ),
+    ] = None,
+    no_step: Annotated[
+        bool, typer.Option("--no-step", help="Gate the memory model only; no fake step.")
+    ] = False,
+    batch: Annotated[
+        int | None, typer.Option("--batch", min=1, help=f"Fake step batch size. {AS_RECORDED}")
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option("--seq-len", min=1, help=f"Fake step tokens per sample. {AS_RECORDED}"),
+    ] = None,
+    checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpointing",
+            help=f"Fake step activation checkpointing: none | reentrant | non-reentrant. "
+            f"{AS_RECORDED}",
+        ),
+    ] = None,
     filters: FilterOpt = None,
     excludes: ExcludeOpt = None,
     units: UnitOpt = None,
@@ -63,11 +94,16 @@ def check_command(
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
     json_out: JsonOpt = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print a markdown table.")] = False,
+    markdown: Annotated[
+        bool,
+        typer.Option("--markdown", help="Print markdown (for $GITHUB_STEP_SUMMARY or a comment)."),
+    ] = False,
     html: HtmlOpt = None,
 ) -> None:
-    """CI memory-regression gate: exit 1 if a per-rank figure grew past --tolerance.
+    """CI memory-regression gate: exit 1 if a figure grew past its tolerance.
 
+    Figures: the memory model per rank and, where the source has an architecture, a
+    fake training step (peak by category and phase, saved activations by module).
     Create the baseline once with --update (commit it), then run the same command
     without --update in CI.
     """
@@ -83,37 +119,45 @@ def check_command(
     }
     with errors_to_exit():
         check_html_path(html, source, baseline)
-        from ..gate.check import baseline_inputs, compare, load_baseline
-        from ..inspect.build import inspect_model
-        from ..report import inspect as inspect_view
-        from ..sources import load_source
+        from ..engine.idioms import check_checkpointing
+        from ..gate.run import CheckRequest, run_check
 
-        doc = load_baseline(baseline) if (not update or baseline.is_file()) else {}
-        recorded = doc.get("inputs", {})
-        inputs = baseline_inputs(doc, overrides)
-        source = source or recorded.get("source")
-        model = model or recorded.get("model")
-        loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-        report = inspect_model(loaded, **inputs, model=model)
-        current = inspect_view.to_json(report)
-        if update:
-            _write_atomically(baseline, current + "\n")
-            stderr.print(
-                f"wrote baseline {baseline} (flat {report.memory.flat_bytes:,} B per rank)"
+        if checkpointing is not None:
+            check_checkpointing(checkpointing)
+        outcome = run_check(
+            CheckRequest(
+                baseline=baseline,
+                source=source,
+                model=model,
+                update=update,
+                tolerance=tolerance,
+                step_tolerance=step_tolerance,
+                overrides=overrides,
+                batch=batch,
+                seq_len=seq_len,
+                checkpointing=checkpointing,
+                step=not no_step,
+                trust_pickle=trust_pickle,
             )
-            _write_page(html, None, report)
-            return
-        result = compare(
-            doc,
-            json.loads(current),
-            tolerance_percent=tolerance,
-            baseline_path=str(baseline),
-            inputs=inputs,
         )
-        _write_page(html, result, report)  # the CI artifact, written pass or fail
+        result = outcome.report
+        _write_page(html, result, outcome.inspect)  # the CI artifact, written pass or fail
+        if result is None:
+            stderr.print(_written(baseline, outcome.current), markup=False, highlight=False)
+            return
         _render(result, json_out, markdown)
     if not result.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _written(path: Path, current) -> str:
+    from ..report.common import human_bytes
+
+    text = f"wrote baseline {path} (flat {human_bytes(current.memory.flat_bytes)} per rank"
+    if current.step is not None:
+        text += f"; fake step peak {human_bytes(current.step.peak_total)}, {current.step.batch}"
+    text += ")"
+    return "; ".join([text, *(f"skipped: {s}" for s in current.skipped)])
 
 
 def _write_page(html: Path | None, result, report) -> None:
@@ -133,16 +177,3 @@ def _render(result, json_out: bool, markdown: bool) -> None:
     else:
         for renderable in view.to_rich(result):
             stdout.print(renderable)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,39 +1,64 @@
-"""``check``: the CI memory-regression gate.
+"""``check``: the comparison of the current figures with a baseline's.
 
-A baseline is a saved ``yafsdp inspect --json`` document (``check --update`` writes
-one). ``check`` re-inspects the model with the inputs the baseline records (any
-option given on the command line overrides them) and compares a few per-rank
-figures; a figure that grew by more than the tolerance is a regression (exit 1).
+Figures compared, all "more is worse":
 
-Figures compared, all "more is worse": the flat scheme's total and persistent bytes
-per rank, the DDP baseline per rank, the largest unit (what is gathered at once) and
-the parameter count. Padding is not a figure of its own: it shows in the totals, and
-a few hundred bytes of it must not fail a build. Nothing here imports torch.
+- the memory model, per rank: the flat scheme's total and persistent bytes, the DDP
+  baseline, the largest unit (what is gathered at once) and the parameter count.
+  Padding is not a figure of its own: it shows in the totals, and a few hundred
+  bytes of it must not fail a build. Default tolerance ``MEMORY_TOLERANCE``;
+- the fake training step (``gate.step``): its peak, each phase's peak, the bytes
+  of each category at the peak, and the activations the modules saved for backward
+  (alive when backward began: what an attention switch or dropped checkpointing
+  changes even where the peak moves to another moment and its activations shrink).
+  Fake figures are exact and deterministic, so their default tolerance,
+  ``STEP_TOLERANCE``, is tight.
+
+A figure that grew by more than its tolerance is a regression; a figure that was 0
+and is not is one at any tolerance. Activations that grew are explained by the
+modules whose saved-for-backward bytes grew (``explain``). Per-module figures are
+shown, not gated on their own: moving work from one module to another changes
+them without changing what the step needs.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import YafsdpError
+from .baseline import MemoryFigures, ModuleSaved, StepFigures, StepInputs
 
-SCHEMA = "yafsdp.check/1"
-BASELINE_SCHEMA = "yafsdp.inspect/1"
+SCHEMA = "yafsdp.check/2"
+MEMORY_TOLERANCE = 1.0  # percent
+STEP_TOLERANCE = 0.1  # percent
+TOP_MODULES = 8  # module rows in a report
+SHARE = 0.75  # a module "accounts for" growth when it holds this share of its parent's
 
-# (name, unit, how to read it from an inspect document)
-METRICS: tuple[tuple[str, str, Any], ...] = (
-    ("flat total per rank", "bytes", lambda d: d["memory"]["flat_bytes"]),
-    ("flat persistent per rank", "bytes", lambda d: _scheme(d, "yafsdp")["persistent"]),
-    ("DDP baseline per rank", "bytes", lambda d: d["memory"]["baseline_bytes"]),
-    ("largest unit (gathered)", "bytes", lambda d: d["memory"]["largest_unit_bytes"]),
-    ("parameters", "elements", lambda d: d["params"]["total_numel"]),
+# (MemoryFigures field, figure name, unit)
+MEMORY_METRICS = (
+    ("flat_bytes", "flat total per rank", "bytes"),
+    ("flat_persistent_bytes", "flat persistent per rank", "bytes"),
+    ("ddp_bytes", "DDP baseline per rank", "bytes"),
+    ("largest_unit_bytes", "largest unit (gathered)", "bytes"),
+    ("parameters", "parameters", "elements"),
 )
+STEP_CATEGORY_NAMES = {
+    "parameters": "parameters at peak",
+    "gradients": "gradients at peak",
+    "optimizer": "optimizer state at peak",
+    "activations": "activations at peak",
+    "temporaries": "temporaries at peak",
+    "buffers": "buffers at peak",
+}
+SAVED_NAME = "activations saved for backward"
+PHASE_NAMES = {
+    "forward": "forward peak",
+    "backward": "backward peak",
+    "optimizer": "optimizer peak",
+}
 
-# The inspect options a baseline records, by their inspect_model keyword.
+# The memory model's options a baseline records, by their inspect_model keyword.
 INPUT_KEYS = {
     "filters": "filters",
     "excludes": "excludes",
@@ -57,15 +82,32 @@ class MetricCheck:
     current: int
     change_percent: float | None  # (current - baseline) / baseline in percent; None from 0
     regressed: bool
+    group: str = "memory"  # "memory" (the memory model) or "step" (the fake step)
+    explained_by: tuple[str, ...] = ()  # modules that account for the growth
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleChange:
+    """One module pattern's saved-for-backward bytes, baseline against current."""
+
+    pattern: str
+    count: int
+    baseline: int
+    current: int
 
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
     baseline_path: str
     source: str
-    tolerance_percent: float
+    tolerance_percent: float  # the memory model's figures
+    step_tolerance_percent: float  # the fake step's
     metrics: tuple[MetricCheck, ...]
-    inputs: dict[str, Any]  # the inspect options used
+    inputs: dict[str, Any]  # the memory model's options used
+    step_inputs: StepInputs | None = None  # None: the step was not compared
+    step_batch: str = ""
+    modules: tuple[ModuleChange, ...] = ()  # the top modules by saved bytes
+    skipped: tuple[str, ...] = ()  # what was not checked, and why
 
     @property
     def passed(self) -> bool:
@@ -76,72 +118,115 @@ class CheckReport:
         return tuple(m for m in self.metrics if m.regressed)
 
 
-def _scheme(doc: Mapping, name: str) -> Mapping:
-    for s in doc["memory"]["schemes"]:
-        if s["scheme"] == name:
-            return s
-    raise KeyError(name)
+def check_tolerance(percent: float) -> float:
+    if percent < 0:
+        raise YafsdpError(f"--tolerance must not be negative, got {percent}")
+    return percent
 
 
-def load_baseline(path: Path) -> dict[str, Any]:
-    """Read and check a baseline document; ``YafsdpError`` says what is wrong."""
-    if not path.is_file():
-        hint = f"yafsdp check SOURCE --baseline {path} --update"
-        raise YafsdpError(f"no baseline at {path}; create one with: {hint}")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise YafsdpError(f"baseline {path} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != BASELINE_SCHEMA:
-        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise YafsdpError(
-            f"baseline {path} has schema {found!r}, expected {BASELINE_SCHEMA!r} "
-            "(a `yafsdp inspect --json` document)"
-        )
-    try:
-        for _, _, read in METRICS:
-            int(read(doc))
-        dict(doc["inputs"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise YafsdpError(f"baseline {path} lacks {exc}; regenerate it with --update") from None
-    return doc
+def metric(name: str, unit: str, old: int, new: int, tolerance: float, group: str):
+    """One figure compared: growth past ``tolerance`` percent is a regression."""
+    if old:
+        change = 100.0 * (new - old) / old
+        return MetricCheck(name, unit, old, new, change, change > tolerance, group)
+    return MetricCheck(name, unit, old, new, 0.0 if new == 0 else None, new > 0, group)
 
 
-def baseline_inputs(doc: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def compare_memory(old: MemoryFigures, new: MemoryFigures, tolerance: float) -> list[MetricCheck]:
+    check_tolerance(tolerance)
+    return [
+        metric(name, unit, getattr(old, key), getattr(new, key), tolerance, "memory")
+        for key, name, unit in MEMORY_METRICS
+    ]
+
+
+def compare_step(old: StepFigures, new: StepFigures, tolerance: float) -> list[MetricCheck]:
+    """The step's peak, phase peaks and categories at the peak; grown activations name
+    the modules that account for them."""
+    check_tolerance(tolerance)
+    out = [metric("step peak", "bytes", old.peak_total, new.peak_total, tolerance, "step")]
+    why = explain(old.modules, new.modules)
+    for category, name in STEP_CATEGORY_NAMES.items():
+        out.append(metric(name, "bytes", old.peak[category], new.peak[category], tolerance, "step"))
+        if category == "activations":
+            a, b = saved_total(old.modules), saved_total(new.modules)
+            out.append(metric(SAVED_NAME, "bytes", a, b, tolerance, "step"))
+            out[-2:] = [_with_explanation(m, why) if m.regressed else m for m in out[-2:]]
+    for phase, name in PHASE_NAMES.items():
+        if phase in old.phase_peaks or phase in new.phase_peaks:
+            a, b = old.phase_peaks.get(phase, 0), new.phase_peaks.get(phase, 0)
+            out.append(metric(name, "bytes", a, b, tolerance, "step"))
+    return out
+
+
+def saved_total(modules: Sequence[ModuleSaved]) -> int:
+    """What the model's modules saved for backward: the sum over the outermost ones."""
+    return sum(m.saved for m in modules if "." not in m.pattern)
+
+
+def _with_explanation(m: MetricCheck, modules: tuple[str, ...]) -> MetricCheck:
+    return MetricCheck(
+        m.name, m.unit, m.baseline, m.current, m.change_percent, m.regressed, m.group, modules
+    )
+
+
+def module_changes(old: Sequence[ModuleSaved], new: Sequence[ModuleSaved], top: int = TOP_MODULES):
+    """The ``top`` module patterns by saved bytes (now or before), baseline vs current."""
+    before = {m.pattern: m for m in old}
+    after = {m.pattern: m for m in new}
+    rows = []
+    for p in dict.fromkeys([*after, *before]):
+        a, b = before.get(p), after.get(p)
+        count = (b or a).count
+        rows.append(ModuleChange(p, count, a.saved if a else 0, b.saved if b else 0))
+    rows.sort(key=lambda r: (-max(r.baseline, r.current), r.pattern))
+    return tuple(rows[:top])
+
+
+def explain(old: Sequence[ModuleSaved], new: Sequence[ModuleSaved]) -> tuple[str, ...]:
+    """The modules that account for grown saved bytes, most specific first.
+
+    From the top of the module tree, descend into the one child holding at least
+    ``SHARE`` of its parent's growth; where growth is spread, name the node and the
+    children holding a fifth of it or more (``model.layers.* (self_attn 48%, mlp
+    32%)``). Empty when no module saves more than before.
+    """
+    delta = {m.pattern: -m.saved for m in old}
+    for m in new:
+        delta[m.pattern] = delta.get(m.pattern, 0) + m.saved
+    node, grown = "", sum(d for p, d in delta.items() if "." not in p)
+    if grown <= 0:
+        return ()
+    while True:
+        kids = sorted(_children(delta, node), key=lambda p: -delta[p])
+        if kids and delta[kids[0]] >= SHARE * grown:
+            node, grown = kids[0], delta[kids[0]]
+            continue
+        big = [p for p in kids if delta[p] >= 0.2 * grown]
+        if not node:
+            return tuple(big)
+        parts = ", ".join(f"{p[len(node) + 1 :]} {delta[p] / grown:.0%}" for p in big)
+        return (f"{node} ({parts})" if parts else node,)
+
+
+def _children(delta: Mapping[str, int], node: str) -> list[str]:
+    """The nearest grown descendants of ``node`` ("" is the root): a ``ModuleList``
+    never runs, so ``model.layers.*`` is a child of ``model``."""
+    prefix = f"{node}." if node else ""
+    below = [p for p in delta if p.startswith(prefix) and p != node]
+    inner = set(below)
+    return [p for p in below if delta[p] > 0 and not any(_ancestor(q, p) for q in inner if q != p)]
+
+
+def _ancestor(a: str, b: str) -> bool:
+    return b.startswith(f"{a}.")
+
+
+def baseline_inputs(recorded: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``inspect_model`` keywords: the baseline's recorded inputs, then ``overrides``
     (options the user gave, ``None`` meaning "as recorded")."""
-    recorded = doc.get("inputs", {})
     kwargs = {kw: recorded[key] for key, kw in INPUT_KEYS.items() if key in recorded}
     for key in ("filters", "excludes", "units"):
         kwargs[key] = tuple(kwargs.get(key) or ())
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return kwargs
-
-
-def compare(
-    baseline: Mapping[str, Any],
-    current: Mapping[str, Any],
-    *,
-    tolerance_percent: float,
-    baseline_path: str,
-    inputs: Mapping[str, Any],
-) -> CheckReport:
-    """Compare two inspect documents figure by figure."""
-    if tolerance_percent < 0:
-        raise YafsdpError(f"--tolerance must not be negative, got {tolerance_percent}")
-    metrics = []
-    for name, unit, read in METRICS:
-        old, new = int(read(baseline)), int(read(current))
-        if old:
-            change = 100.0 * (new - old) / old
-            regressed = change > tolerance_percent
-        else:
-            change, regressed = (0.0 if new == 0 else None), new > 0
-        metrics.append(MetricCheck(name, unit, old, new, change, regressed))
-    return CheckReport(
-        baseline_path=baseline_path,
-        source=str(current.get("inputs", {}).get("source", "")),
-        tolerance_percent=tolerance_percent,
-        metrics=tuple(metrics),
-        inputs=dict(inputs),
-    )

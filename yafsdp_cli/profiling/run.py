@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import dtypes
 from ..engine.flat import convert_module
+from ..engine.idioms import apply_checkpointing, check_checkpointing
 from ..engine.module_spec import collect_tensors, spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
@@ -59,9 +60,11 @@ class ProfileOptions:
     per_module: bool = False
     depth: int = 3  # per-module rows: module names with at most this many parts
     device: str = "cpu"
+    checkpointing: str = "none"  # none | reentrant | non-reentrant, applied per unit
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer, self.optimizer_impl)
+        check_checkpointing(self.checkpointing)
         for name in ("world_size", "batch", "seq_len", "depth"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")
@@ -146,6 +149,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
             world_size=opts.world_size,
             align=opts.align,
         )
+        apply_checkpointing(module, opts.checkpointing, layout.units)
     batch = _batch(module, opts, fake_mode)
     rounding = 512 if opts.device == "cuda" else 1
     with _entered(fake_mode):

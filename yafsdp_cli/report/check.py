@@ -1,26 +1,37 @@
-"""Rendering the memory-regression gate's result."""
+"""Rendering the memory-regression gate's result: terminal, markdown, JSON."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
-from ..gate.check import SCHEMA, CheckReport, MetricCheck
+from ..gate.check import SCHEMA, CheckReport, MetricCheck, ModuleChange
 from .common import human_bytes, json_document, markdown_table, rich_table
 
 HEADERS = ("figure", "baseline", "current", "change", "")
+MODULE_HEADERS = ("module", "count", "baseline", "current", "change")
 
 
 def _value(m: MetricCheck, v: int) -> str:
     return human_bytes(v) if m.unit == "bytes" else f"{v:,}"
 
 
+def _percent(old: int, new: int) -> str:
+    if old == 0:
+        return "0.00%" if new == 0 else "new"
+    return f"{100.0 * (new - old) / old:+.2f}%"
+
+
 def _change(m: MetricCheck) -> str:
-    if m.change_percent is None:
-        return "new"
-    return f"{m.change_percent:+.2f}%"
+    return "new" if m.change_percent is None else f"{m.change_percent:+.2f}%"
 
 
-def _rows(report: CheckReport) -> list[tuple[str, ...]]:
+def _delta(m: MetricCheck) -> str:
+    d = m.current - m.baseline
+    sign = "+" if d >= 0 else "-"
+    return f"{sign}{human_bytes(abs(d))}" if m.unit == "bytes" else f"{d:+,}"
+
+
+def _rows(report: CheckReport, group: str) -> list[tuple[str, ...]]:
     return [
         (
             m.name,
@@ -30,25 +41,94 @@ def _rows(report: CheckReport) -> list[tuple[str, ...]]:
             "REGRESSION" if m.regressed else "ok",
         )
         for m in report.metrics
+        if m.group == group
     ]
+
+
+def _module_rows(modules: tuple[ModuleChange, ...]) -> list[tuple[str, ...]]:
+    return [
+        (
+            r.pattern,
+            str(r.count),
+            human_bytes(r.baseline),
+            human_bytes(r.current),
+            _percent(r.baseline, r.current),
+        )
+        for r in modules
+    ]
+
+
+def _tolerances(report: CheckReport) -> str:
+    text = f"memory model {report.tolerance_percent:g}%"
+    if report.step_inputs is not None:
+        text += f", fake step {report.step_tolerance_percent:g}%"
+    return text
+
+
+def regression_line(m: MetricCheck) -> str:
+    """``activations at peak +95.9 MiB (+132.00%): model.layers.*.self_attn``."""
+    line = f"{m.name} {_delta(m)} ({_change(m)})"
+    return f"{line}: {', '.join(m.explained_by)}" if m.explained_by else line
 
 
 def verdict(report: CheckReport) -> str:
     if report.passed:
-        return f"ok: no figure grew by more than {report.tolerance_percent:g}%"
-    worst = ", ".join(f"{m.name} {_change(m)}" for m in report.regressions)
-    return f"memory regression (tolerance {report.tolerance_percent:g}%): {worst}"
+        return f"ok: no figure grew past its tolerance ({_tolerances(report)})"
+    return f"memory regression (tolerance: {_tolerances(report)}): " + "; ".join(
+        regression_line(m) for m in report.regressions
+    )
+
+
+def _titles(report: CheckReport) -> tuple[str, str]:
+    ranks = report.inputs.get("world_size", 1)
+    memory = f"memory model, per rank at world size {ranks}"
+    s = report.step_inputs
+    if s is None:
+        return memory, ""
+    step = (
+        f"fake training step: converted model, rank 0 of {s.world_size}, {report.step_batch}, "
+        f"checkpointing {s.checkpointing}, optimizer {s.optimizer}"
+    )
+    return memory, step
 
 
 def to_rich(report: CheckReport) -> list:
-    title = f"yafsdp check against {report.baseline_path}"
-    table = rich_table(title, HEADERS, _rows(report), right=(1, 2, 3))
-    style = "green" if report.passed else "bold red"
-    return [table, Text(verdict(report), style=style)]
+    memory, step = _titles(report)
+    out: list = [rich_table(memory, HEADERS, _rows(report, "memory"), right=(1, 2, 3))]
+    if step:
+        out.append(rich_table(step, HEADERS, _rows(report, "step"), right=(1, 2, 3)))
+    if report.modules:
+        title = "saved for backward, by module (the largest)"
+        out.append(rich_table(title, MODULE_HEADERS, _module_rows(report.modules), (1, 2, 3, 4)))
+    out += [Text(f"skipped: {s}", style="yellow") for s in report.skipped]
+    if report.passed:
+        out.append(Text(verdict(report), style="green"))
+    else:
+        out.append(Text(f"memory regression (tolerance: {_tolerances(report)}):", "bold red"))
+        out += [Text(f"  {regression_line(m)}", style="red") for m in report.regressions]
+    return out
 
 
 def to_markdown(report: CheckReport) -> str:
-    return f"{markdown_table(HEADERS, _rows(report))}\n\n{verdict(report)}\n"
+    """For a pull request comment or a job summary (``>> $GITHUB_STEP_SUMMARY``)."""
+    status = "passed" if report.passed else "FAILED: memory regression"
+    lines = [
+        f"## yafsdp check: {status}",
+        "",
+        f"`{report.source}` against `{report.baseline_path}`; tolerance: {_tolerances(report)}.",
+        "",
+    ]
+    lines += [verdict(report)] if report.passed else []
+    lines += [f"- **{regression_line(m)}**" for m in report.regressions]
+    lines += [f"- skipped: {s}" for s in report.skipped]
+    memory, step = _titles(report)
+    lines += ["", f"### {memory}", "", markdown_table(HEADERS, _rows(report, "memory"))]
+    if step:
+        lines += ["", f"### {step}", "", markdown_table(HEADERS, _rows(report, "step"))]
+    if report.modules:
+        rows = _module_rows(report.modules)
+        lines += ["", "### saved for backward, by module", "", markdown_table(MODULE_HEADERS, rows)]
+    return "\n".join(lines) + "\n"
 
 
 def to_json(report: CheckReport) -> str:
@@ -59,7 +139,12 @@ def to_json(report: CheckReport) -> str:
             "source": report.source,
             "passed": report.passed,
             "tolerance_percent": report.tolerance_percent,
+            "step_tolerance_percent": report.step_tolerance_percent,
             "metrics": report.metrics,
+            "modules": report.modules,
+            "skipped": report.skipped,
             "inputs": report.inputs,
+            "step_inputs": report.step_inputs,
+            "step_batch": report.step_batch,
         },
     )

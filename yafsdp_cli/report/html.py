@@ -181,7 +181,8 @@ def _check_html(result: CheckReport) -> str:
     return (
         f'<section id="check"><h2>Memory-regression gate</h2>'
         f'<p class="verdict {cls}">{esc(verdict(result))}</p>'
-        f"<table><thead>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></section>"
+        + "".join(f"<p>skipped: {esc(s)}</p>" for s in result.skipped)
+        + f"<table><thead>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></section>"
     )
 
 

@@ -1,0 +1,228 @@
+"""The gate's baseline document: what was measured, and what rebuilds the same inputs.
+
+A baseline (``yafsdp.baseline/2``) records
+
+- ``source``: SOURCE and ``--model`` as given (a path under the directory ``check``
+  ran in is stored relative to it, so a committed baseline works from any clone:
+  ``check`` reads relative paths from the directory it runs in), and the source kind;
+- ``inputs``: the memory model's options (``InspectInputs``);
+- ``memory``: the memory model's per-rank figures (``MemoryFigures``);
+- ``step``: where the source has an architecture, a fake training step
+  (``StepFigures``), else ``None`` with the reason in ``skipped``.
+
+A ``yafsdp.inspect/1`` document (what ``check --update`` wrote before) is still a
+baseline: its memory figures are checked and the step is reported as skipped.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import YafsdpError
+
+SCHEMA = "yafsdp.baseline/2"
+LEGACY_SCHEMA = "yafsdp.inspect/1"
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRef:
+    """What ``check`` loads: ``load_source(path, model=model)``."""
+
+    path: str | None  # SOURCE, relative to where check runs when it lies below it
+    model: str | None  # --model package.module:factory or path/to/file.py:factory
+    kind: str  # "safetensors", "hf", "factory", ... (for the reader; not used to load)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    """The memory model's figures, per rank (the fullest rank)."""
+
+    flat_bytes: int  # the flat scheme's total
+    flat_persistent_bytes: int  # ... of which persists between steps
+    ddp_bytes: int  # the DDP baseline
+    largest_unit_bytes: int  # what is gathered at once
+    parameters: int  # elements
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """The fake step's options (the converted model, rank 0 of ``world_size``)."""
+
+    batch: int
+    seq_len: int
+    checkpointing: str  # none | reentrant | non-reentrant
+    world_size: int
+    optimizer: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSaved:
+    """Bytes that modules of one name pattern (``model.layers.*.self_attn``: every
+    layer's, ``count`` of them) made in forward and were still alive when backward
+    began: what they save for backward. A module's figure includes its children's."""
+
+    pattern: str
+    count: int
+    saved: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    inputs: StepInputs
+    batch: str  # the inputs made, e.g. "input_ids (2, 16) int64"
+    peak: dict[str, int]  # bytes alive at the step's peak, by category
+    peak_total: int
+    peak_phase: str
+    phase_peaks: dict[str, int]  # the highest total in each phase
+    modules: tuple[ModuleSaved, ...]  # every pattern, most saved first
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    source: SourceRef
+    inputs: dict[str, Any]  # InspectInputs as a dict
+    memory: MemoryFigures
+    step: StepFigures | None
+    skipped: tuple[str, ...] = ()  # why figures are missing
+    schema: str = SCHEMA  # what the file said; LEGACY_SCHEMA for an inspect document
+
+
+def portable(path: str | None) -> str | None:
+    """``path`` relative to the current directory when it lies below it."""
+    if path is None or not os.path.isabs(path):
+        return path
+    try:
+        rel = Path(path).resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+    return str(rel)
+
+
+def portable_model(model: str | None) -> str | None:
+    """A ``file.py:factory`` spec with its file made ``portable``; modules as given."""
+    if model is None:
+        return None
+    target, sep, attr = model.rpartition(":")
+    if sep and (target.endswith(".py") or os.sep in target):
+        return f"{portable(target)}:{attr}"
+    return model
+
+
+# -------------------------------------------------------------------- writing
+
+
+def to_json(baseline: Baseline) -> str:
+    body = dataclasses.asdict(baseline)
+    body.pop("schema")
+    return json.dumps({"schema": SCHEMA, **body}, indent=2, allow_nan=False) + "\n"
+
+
+def write_baseline(path: Path, baseline: Baseline) -> None:
+    """Write to a temporary file beside ``path``, then rename it into place."""
+    text = to_json(baseline)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# -------------------------------------------------------------------- reading
+
+
+def load_baseline(path: Path) -> Baseline:
+    """Read and check a baseline; ``YafsdpError`` says what is wrong and what to do."""
+    if not path.is_file():
+        hint = f"yafsdp check SOURCE --baseline {path} --update"
+        raise YafsdpError(f"no baseline at {path}; create one with: {hint}")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise YafsdpError(f"baseline {path} is not valid JSON ({exc})") from None
+    schema = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+    if schema not in (SCHEMA, LEGACY_SCHEMA):
+        raise YafsdpError(
+            f"baseline {path} has schema {schema!r}, expected {SCHEMA!r} (or the older "
+            f"{LEGACY_SCHEMA!r}); write one with --update"
+        )
+    try:
+        return _parse(doc) if schema == SCHEMA else _parse_legacy(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise YafsdpError(f"baseline {path} lacks {exc}; regenerate it with --update") from None
+
+
+def _parse(doc: dict) -> Baseline:
+    step = doc["step"]
+    return Baseline(
+        source=SourceRef(**doc["source"]),
+        inputs=dict(doc["inputs"]),
+        memory=_ints(MemoryFigures, doc["memory"]),
+        step=_parse_step(step) if step is not None else None,
+        skipped=tuple(str(s) for s in doc.get("skipped", ())),
+    )
+
+
+def _parse_step(doc: dict) -> StepFigures:
+    peak = {c: int(doc["peak"][c]) for c in CATEGORIES}
+    phases = {p: int(v) for p, v in dict(doc["phase_peaks"]).items() if p in PHASES}
+    inputs = doc["inputs"]
+    return StepFigures(
+        inputs=StepInputs(
+            batch=int(inputs["batch"]),
+            seq_len=int(inputs["seq_len"]),
+            checkpointing=str(inputs["checkpointing"]),
+            world_size=int(inputs["world_size"]),
+            optimizer=str(inputs["optimizer"]),
+        ),
+        batch=str(doc["batch"]),
+        peak=peak,
+        peak_total=int(doc["peak_total"]),
+        peak_phase=str(doc["peak_phase"]),
+        phase_peaks=phases,
+        modules=tuple(
+            ModuleSaved(str(m["pattern"]), int(m["count"]), int(m["saved"])) for m in doc["modules"]
+        ),
+    )
+
+
+def _ints(cls, doc: dict):
+    return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)})
+
+
+def _parse_legacy(doc: dict) -> Baseline:
+    """A ``yafsdp.inspect/1`` document: memory figures only."""
+    inputs = dict(doc["inputs"])
+    memory, params = doc["memory"], doc["params"]
+    persistent = next(s["persistent"] for s in memory["schemes"] if s["scheme"] == "yafsdp")
+    model = inputs.get("model")
+    source = inputs.get("source") or None
+    if model and source:  # it recorded the spec's description, not SOURCE
+        source = None if source == model else source.removesuffix(f" with --model {model}")
+    figures = {
+        "flat_bytes": memory["flat_bytes"],
+        "flat_persistent_bytes": persistent,
+        "ddp_bytes": memory["baseline_bytes"],
+        "largest_unit_bytes": memory["largest_unit_bytes"],
+        "parameters": params["total_numel"],
+    }
+    return Baseline(
+        source=SourceRef(source, model, str(doc.get("source_kind", ""))),
+        inputs=inputs,
+        memory=_ints(MemoryFigures, figures),
+        step=None,
+        skipped=(f"this baseline is an older {LEGACY_SCHEMA} document with no step figures",),
+        schema=LEGACY_SCHEMA,
+    )

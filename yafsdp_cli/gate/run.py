@@ -1,0 +1,173 @@
+"""``run_check``: rebuild the baseline's inputs, measure, then compare or record.
+
+The CLI gives what the user typed (``CheckRequest``; ``None`` means "as the baseline
+recorded it"); this loads the baseline, loads the same source (SOURCE and
+``--model`` as recorded, relative paths read from the directory check runs in),
+runs the memory model and, where the source has an architecture, the fake step,
+then writes a new baseline (``update``) or compares against the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import YafsdpError
+from ..inspect.build import InspectReport, inspect_model
+from ..sources import load_source
+from .baseline import (
+    Baseline,
+    MemoryFigures,
+    SourceRef,
+    StepFigures,
+    StepInputs,
+    load_baseline,
+    portable,
+    portable_model,
+    write_baseline,
+)
+from .check import (
+    MEMORY_TOLERANCE,
+    STEP_TOLERANCE,
+    CheckReport,
+    baseline_inputs,
+    compare_memory,
+    compare_step,
+    module_changes,
+)
+
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = 2, 16  # profile's defaults
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckRequest:
+    baseline: Path
+    source: str | None = None
+    model: str | None = None
+    update: bool = False
+    tolerance: float | None = None  # None: MEMORY_TOLERANCE, and STEP_TOLERANCE for the step
+    step_tolerance: float | None = None  # None: --tolerance if given, else STEP_TOLERANCE
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # inspect options
+    batch: int | None = None
+    seq_len: int | None = None
+    checkpointing: str | None = None
+    step: bool = True  # False: --no-step
+    trust_pickle: bool = False
+
+    @property
+    def tolerances(self) -> tuple[float, float]:
+        memory = MEMORY_TOLERANCE if self.tolerance is None else self.tolerance
+        step = self.step_tolerance if self.step_tolerance is not None else self.tolerance
+        return memory, STEP_TOLERANCE if step is None else step
+
+
+@dataclass(frozen=True, slots=True)
+class CheckOutcome:
+    current: Baseline  # what was measured now (the file's new content with --update)
+    inspect: InspectReport
+    report: CheckReport | None  # None with --update
+
+
+def run_check(req: CheckRequest) -> CheckOutcome:
+    old = _previous(req)
+    recorded = old.inputs if old else {}
+    inputs = baseline_inputs(recorded, req.overrides)
+    source = req.source or (old.source.path if old else None)
+    model = req.model or (old.source.model if old else None)
+    loaded = load_source(source, model=model, trust_pickle=req.trust_pickle)
+    report = inspect_model(loaded, **inputs, model=model)
+    step, skipped = _step(req, old, loaded, report, inputs)
+    current = Baseline(
+        source=SourceRef(portable(source), portable_model(model), report.source_kind),
+        inputs=dataclasses.asdict(report.inputs),
+        memory=memory_figures(report),
+        step=step,
+        skipped=skipped,
+    )
+    if req.update:
+        write_baseline(req.baseline, current)
+        return CheckOutcome(current, report, None)
+    return CheckOutcome(current, report, compare(req, old, current, inputs))
+
+
+def _previous(req: CheckRequest) -> Baseline | None:
+    """The baseline to check against; with ``--update`` an unreadable one is replaced."""
+    if not req.update:
+        return load_baseline(req.baseline)
+    try:
+        return load_baseline(req.baseline)
+    except YafsdpError:
+        return None
+
+
+def memory_figures(report: InspectReport) -> MemoryFigures:
+    mem = report.memory
+    flat = next(s for s in mem.schemes if s.scheme == "yafsdp")
+    return MemoryFigures(
+        flat_bytes=mem.flat_bytes,
+        flat_persistent_bytes=flat.persistent,
+        ddp_bytes=mem.baseline_bytes,
+        largest_unit_bytes=mem.largest_unit_bytes,
+        parameters=report.params.total_numel,
+    )
+
+
+def step_inputs(req: CheckRequest, old: Baseline | None, report: InspectReport) -> StepInputs:
+    """The request's step options, else the baseline's, else profile's defaults; ranks
+    and optimizer are the memory model's."""
+    recorded = old.step.inputs if old and old.step else None
+    batch = req.batch or (recorded.batch if recorded else DEFAULT_BATCH)
+    seq_len = req.seq_len or (recorded.seq_len if recorded else DEFAULT_SEQ_LEN)
+    ckpt = req.checkpointing or (recorded.checkpointing if recorded else "none")
+    return StepInputs(batch, seq_len, ckpt, report.inputs.world_size, report.inputs.optimizer)
+
+
+def _step(req, old, loaded, report, inputs) -> tuple[StepFigures | None, tuple[str, ...]]:
+    """The fake step's figures, or ``None`` and why not."""
+    if not req.step:
+        return None, ("fake step: not run (--no-step)",)
+    if not report.has_architecture:
+        if old is not None and old.step is not None and not req.update:
+            raise YafsdpError(
+                f"the baseline records a training step, but {report.inputs.source} has no "
+                "architecture to run one; give --model package.module:factory, or --no-step "
+                "to check the memory model only"
+            )
+        return None, (
+            "fake step: not run (the source has no architecture; give --model "
+            "package.module:factory to gate a training step too)",
+        )
+    if not req.update and (old is None or old.step is None):
+        return None, ("fake step: not in the baseline; --update records one",)
+    from .step import measure_step
+
+    return measure_step(loaded, step_inputs(req, old, report), inputs), ()
+
+
+def compare(req: CheckRequest, old: Baseline, current: Baseline, inputs) -> CheckReport:
+    tol, step_tol = req.tolerances
+    metrics = compare_memory(old.memory, current.memory, tol)
+    modules: tuple = ()
+    if old.step is not None and current.step is not None:
+        metrics += compare_step(old.step, current.step, step_tol)
+        modules = module_changes(old.step.modules, current.step.modules)
+        skipped: tuple[str, ...] = ()
+    elif old.step is None:
+        skipped = tuple(dict.fromkeys([*old.skipped, *current.skipped]))
+    else:
+        skipped = current.skipped
+    compared = current.step if old.step is not None else None
+    return CheckReport(
+        baseline_path=str(req.baseline),
+        source=current.source.path or current.source.model or "",
+        tolerance_percent=tol,
+        step_tolerance_percent=step_tol,
+        metrics=tuple(metrics),
+        inputs=dict(inputs),
+        step_inputs=compared.inputs if compared else None,
+        step_batch=compared.batch if compared else "",
+        modules=modules,
+        skipped=skipped,
+    )
