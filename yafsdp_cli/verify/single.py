@@ -62,7 +62,7 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
         flat = convert_module(module, prep.layout)
         run = compiled(module) if opts.compile else module
         rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
-        memory, drift = run_converted(flat, run, opts, store, rec, drawn)
+        memory, drift = run_converted(flat, run, opts, store, rec, drawn, prep.layout)
     if drift:
         notes.append(RNG_NOTE.format(where=", ".join(drift[:3])))
     return build_report(prep, opts, rec, (memory,), backend="", extra_notes=notes)
@@ -108,7 +108,7 @@ def _put_back(module, store: ReferenceStore) -> None:
                 t.copy_(stored[name])
 
 
-def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Recorder, drawn):
+def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Recorder, drawn, layout):
     """The converted model's steps, each tensor compared with the original's on disk."""
     module = flat.module
     opt = make_optimizer(opts.optimizer, flat.parameters())
@@ -127,7 +127,7 @@ def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Record
             if opt is not None:
                 opt.step()
             if step == opts.steps - 1:
-                memory = _single_memory(flat, opt, flat.layout, opts)
+                memory = _single_memory(flat, opt, layout, opts)
             rec.compare_all("parameter", step, flat.named_params(), want["parameter"])
             buffers = store.view(handle, step, "buffer")
             rec.compare_all("buffer", step, dict(module.named_buffers()), buffers)
