@@ -88,6 +88,37 @@ class StepFile(Mapping):
         return len(self._names)
 
 
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class StepReader:
+    """Tensors of one file read with plain reads, not a memory map: mapped pages
+    that were read would count in this process's RSS until the file is closed,
+    a second model's worth of them by the end of a step."""
+
+    def __init__(self, path: Path, device: str = "cpu"):
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        n = int.from_bytes(self._f.read(8), "little")
+        self._header = json.loads(self._f.read(n))
+        self._base = 8 + n
+        self._device = device
+
+    def __enter__(self) -> StepReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self._header[name]
+        start, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=TORCH_DTYPES[info["dtype"]])
+        if end > start:
+            self._f.seek(self._base + start)
+            self._f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return t if self._device == "cpu" else t.to(self._device)
+
+
 class ReferenceStore:
     """Per-step files in a temporary folder; a context manager that removes it."""
 
@@ -121,12 +152,10 @@ class ReferenceStore:
                 "free disk space there, set TMPDIR to a larger disk, or give fewer --steps"
             ) from None
 
-    def open_step(self, step: int, device: str = "cpu"):
-        """A ``safe_open`` handle of the step's file (use as a context manager), its
-        tensors loaded onto ``device``."""
-        from safetensors import safe_open
-
-        return safe_open(str(self._file(step)), framework="pt", device=device)
+    def open_step(self, step: int, device: str = "cpu") -> StepReader:
+        """A reader of the step's file (use as a context manager), its tensors loaded
+        onto ``device``."""
+        return StepReader(self._file(step), device)
 
     def view(self, handle, step: int, kind: str) -> StepFile:
         key = (step, kind)
