@@ -85,7 +85,8 @@ def gpt2() -> bool:
     run, report = run_verify(path)
     print(f"  GPT-2 {numel:,} parameters, training state {state / GiB:.3f} GiB")
     print(
-        f"  verify: exit {run.returncode}, {run.wall_s:.1f} s, peak RSS {run.peak_rss_bytes / GiB:.3f} GiB"
+        f"  verify: exit {run.returncode}, {run.wall_s:.1f} s, "
+        f"peak RSS {run.peak_rss_bytes / GiB:.3f} GiB"
     )
     _print_estimate(report)
     ok = run.returncode == 0
@@ -102,12 +103,11 @@ def llama_1b() -> bool:
         shutil.rmtree(path, ignore_errors=True)
     print(f"  Llama-shaped {numel:,} parameters bf16, training state {state / GiB:.3f} GiB")
     print(
-        f"  verify (no option): exit {run.returncode}, {run.wall_s:.1f} s, peak RSS {run.peak_rss_bytes / GiB:.3f} GiB"
+        f"  verify (no option): exit {run.returncode}, {run.wall_s:.1f} s, "
+        f"peak RSS {run.peak_rss_bytes / GiB:.3f} GiB"
     )
-    blocks = report.get("blocks")
-    print(
-        f"  blocks checked: {'all' if blocks is None else blocks['kept']} ({(blocks or {}).get('why', '')})"
-    )
+    blocks = report.get("blocks") or {}
+    print(f"  blocks checked: {blocks.get('kept', 'all')} ({blocks.get('why', '')})")
     _print_estimate(report)
     print(f"  comparisons {report.get('compared')}, failures {report.get('failures')}")
     return run.returncode == 0
@@ -124,8 +124,9 @@ def _print_estimate(report: dict) -> None:
             + 256 * 2**20
         )
         print(
-            f"  estimated peak {total / GiB:.3f} GiB; available {budget['available']['bytes'] / GiB:.2f} GiB "
-            f"({budget['available']['source']}); measured peak RSS (in-process) {report['peak_rss'] / GiB:.3f} GiB"
+            f"  estimated peak {total / GiB:.3f} GiB; available "
+            f"{budget['available']['bytes'] / GiB:.2f} GiB ({budget['available']['source']}); "
+            f"measured peak RSS (in-process) {report['peak_rss'] / GiB:.3f} GiB"
         )
 
 
