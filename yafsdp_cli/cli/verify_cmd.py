@@ -22,6 +22,7 @@ from .common import (
     WorldSizeOpt,
     check_format,
     errors_to_exit,
+    stderr,
     stdout,
 )
 from .progress import WaitBar
@@ -59,6 +60,16 @@ CheckpointingOpt = Annotated[
 ]
 CompileOpt = Annotated[
     bool, typer.Option("--compile", help="torch.compile both models (inductor) and compare.")
+]
+BlocksOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--blocks",
+        help="Verify the model built with some of its repeated blocks, real weights: a "
+        "count (2 = first and last), indices (0,17,31) or all. Default: every block, or "
+        "the most that fit in memory.",
+        metavar="SPEC",
+    ),
 ]
 FormatOpt = Annotated[str, typer.Option("--format", help="table | json | markdown.")]
 
@@ -111,6 +122,7 @@ def verify_command(
     top: Annotated[int, typer.Option("--top", min=1, help="Worst tensors to list.")] = 10,
     checkpointing: CheckpointingOpt = "none",
     compile_: CompileOpt = False,
+    blocks: BlocksOpt = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
 ) -> None:
@@ -144,12 +156,25 @@ def verify_command(
             top=top,
             checkpointing=checkpointing,
             compile=compile_,
+            blocks=blocks,
         )
         # the ranks are other processes: a pulsing bar while they run, none under torchrun
         waiting = world_size > 1 and fmt != "json" and not launched_by_torchrun()
         title = f"verify on {world_size} ranks, {steps} steps"
-        with WaitBar(waiting, title):
-            report = verify_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
+        from ..report import verify as view
+        from ..verify import MemoryBudgetError
+
+        def header(run_plan) -> None:
+            if is_primary():
+                stderr.print(view.header_line(run_plan.budget, run_plan.blocks), markup=False)
+
+        try:
+            with WaitBar(waiting, title):
+                report = verify_source(
+                    source, model=model, trust_pickle=trust_pickle, opts=opts, on_plan=header
+                )
+        except MemoryBudgetError as exc:
+            raise YafsdpError(view.refusal(exc.budget, exc.suggestions)) from None
         if is_primary():
             _render(report, fmt)
     raise typer.Exit(EXIT_OK if report.ok else EXIT_CHECK_FAILED)

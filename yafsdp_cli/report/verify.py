@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..verify.blocks import BlockChoice
+from ..verify.budget import Budget
 from ..verify.common import TensorDiff, VerifyReport
 from .common import Section, human_bytes, json_document, plain, section_markdown, section_table
 
@@ -54,6 +56,51 @@ def verdict(report: VerifyReport) -> str:
     return "MISMATCH: " + "; ".join(parts)
 
 
+def _estimate_words(budget: Budget) -> str:
+    e = budget.estimate
+    act = human_bytes(e.activations) if e.activations >= 0 else "not estimated"
+    parts = (
+        f"parameters {human_bytes(e.params)}, gradients {human_bytes(e.grads)}, "
+        f"optimizer {human_bytes(e.optimizer)}, activations {act}, "
+        f"temporaries {human_bytes(e.temporaries)}"
+    )
+    if e.ranks > 1:
+        parts += f"; x{e.models} models on each of {e.ranks} ranks"
+    return f"{human_bytes(budget.process_bytes + e.total)} ({parts})"
+
+
+def _available_words(budget: Budget) -> str:
+    return f"{human_bytes(budget.available.bytes)} ({budget.available.source})"
+
+
+def blocks_words(blocks: BlockChoice | None) -> str:
+    if blocks is None:
+        return "all"
+    kept = ", ".join(map(str, blocks.kept))
+    if blocks.whole:
+        return f"all {blocks.total} ({blocks.why})"
+    return f"{kept} of {blocks.total} in {blocks.stack} ({blocks.why})"
+
+
+def header_line(budget: Budget, blocks: BlockChoice | None) -> str:
+    """What the run expects before it starts (stderr, so --json keeps stdout clean)."""
+    return (
+        f"verify: estimated peak {_estimate_words(budget)}; available "
+        f"{_available_words(budget)}; blocks: {blocks_words(blocks)}"
+    )
+
+
+def refusal(budget: Budget, suggestions) -> str:
+    """The one sentence of a run that cannot fit."""
+    fits = "; ".join(f"{o} (about {human_bytes(b)})" for o, b in suggestions)
+    return (
+        f"verify needs about {_estimate_words(budget)} but only "
+        f"{_available_words(budget)} is available; "
+        + (f"would fit: {fits}" if fits else "no option makes it fit here")
+        + ", or run it where more memory is free"
+    )
+
+
 def sections(report: VerifyReport) -> list[Section]:
     out = [summary_section(report), worst_section(report)]
     if report.memory:
@@ -74,7 +121,16 @@ def summary_section(report: VerifyReport) -> Section:
         ("kept", f"{report.kept} parameters left as they were"),
         ("tolerance (atol/rtol)", tols),
         ("compared", f"{report.compared} tensors, {report.failures} out of tolerance"),
+        ("blocks", blocks_words(report.blocks)),
     )
+    if report.budget is not None:
+        rows += (
+            ("estimated peak", _estimate_words(report.budget)),
+            ("available", _available_words(report.budget)),
+        )
+    if report.peak_rss:
+        largest = " (largest rank)" if report.world_size > 1 else ""
+        rows += (("measured peak RSS", human_bytes(report.peak_rss) + largest),)
     return Section("yafsdp verify", ("", ""), rows)
 
 

@@ -201,6 +201,15 @@ class _RealBuilder:
         with quiet_transformers():
             return self.build()
 
+    @property
+    def config(self):
+        """The transformers config the architecture is built from."""
+        return self.build.cfg
+
+    def with_config(self, cfg) -> _RealBuilder:
+        """The same model class built from another config (``verify --blocks``)."""
+        return _RealBuilder(type(self.build)(self.build.cls, cfg))
+
 
 def _build_meta(build, path: Path):
     import torch

@@ -8,9 +8,13 @@ checkpoint command line, through ``cli``) import it.
 """
 
 from .common import TensorDiff, VerifyOptions, VerifyReport
+from .fit import MemoryBudgetError, RunPlan, plan_run
 from .run import check_before_launch, model_check, verify_model, verify_source
 
 __all__ = [
+    "MemoryBudgetError",
+    "RunPlan",
+    "plan_run",
     "TensorDiff",
     "VerifyOptions",
     "VerifyReport",

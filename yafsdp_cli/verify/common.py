@@ -55,6 +55,8 @@ from ..engine.step import (
 )
 from ..errors import YafsdpError
 from ..memory.model import MemoryConfig, estimate_memory
+from .blocks import BlockChoice, blocked_source, build_with_blocks, parse_blocks
+from .budget import Budget
 from .compare import (  # noqa: F401 - the comparison is part of verify's API
     CUDA_TOLERANCE,
     KINDS,
@@ -90,6 +92,7 @@ class VerifyOptions:
     top: int = 10  # worst tensors to report
     checkpointing: str = "none"  # none | reentrant | non-reentrant, on both models
     compile: bool = False  # torch.compile both models
+    blocks: str | None = None  # --blocks SPEC: build the model with these blocks only
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer)
@@ -153,6 +156,9 @@ class VerifyReport:
     memory: tuple[RankMemory, ...]
     memory_ok: bool
     notes: tuple[str, ...] = ()
+    budget: Budget | None = None  # the peak estimated before the run, and what was available
+    blocks: BlockChoice | None = None  # None: every block of the model
+    peak_rss: int = 0  # the most resident memory the run's processes held (the largest rank)
 
 
 # -- what a rank holds -----------------------------------------------------------------
@@ -216,8 +222,13 @@ class Prepared:
 
 
 def prepare(loaded, opts: VerifyOptions, *, world_size: int | None = None) -> Prepared:
-    """Build the original module (it needs an architecture) and plan its layout."""
-    module = loaded.build_module()
+    """Build the original module (it needs an architecture; with ``opts.blocks``,
+    those blocks only) and plan its layout."""
+    if opts.blocks:
+        blocked = blocked_source(loaded)
+        module = build_with_blocks(loaded, blocked, parse_blocks(opts.blocks, blocked.total))
+    else:
+        module = loaded.build_module()
     if opts.device == "cuda":
         if not torch.cuda.is_available():
             raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")

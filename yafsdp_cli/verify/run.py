@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..engine.plan import plan
 from ..errors import YafsdpError
+from .budget import peak_rss
 from .common import VerifyOptions, VerifyReport, prepare
 from .dist import launched_by_torchrun, run_world, torchrun_rank, verify_this_rank
+from .fit import RunPlan, plan_run
 from .single import run_single
 
 
-def verify_model(loaded, opts: VerifyOptions | None = None) -> VerifyReport:
+def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> VerifyReport:
     """Verify a loaded model (``sources.load_source``) in this process.
+
+    First its peak is estimated (``fit.plan_run``): a run that cannot fit raises
+    ``MemoryBudgetError`` before anything is allocated, or, without ``--blocks``,
+    runs on the most blocks that fit. ``on_plan(RunPlan)`` is called before the run.
 
     With ``opts.world_size > 1`` this process must be one rank of a running
     ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
@@ -20,11 +28,31 @@ def verify_model(loaded, opts: VerifyOptions | None = None) -> VerifyReport:
     opts = opts or VerifyOptions()
     if opts.world_size > 1:
         return verify_this_rank(loaded, opts)
-    return run_single(prepare(loaded, opts), opts)
+    run_plan = plan_run(loaded, opts)
+    if on_plan is not None:
+        on_plan(run_plan)
+    report = run_single(prepare(loaded, run_plan.opts), run_plan.opts)
+    return finish(report, run_plan, peak_rss())
+
+
+def finish(report: VerifyReport, run_plan: RunPlan, peak: int) -> VerifyReport:
+    """The report with the estimate, the blocks and the measured peak beside it."""
+    source = report.source
+    if run_plan.blocks is not None and not run_plan.blocks.whole:
+        kept = run_plan.blocks
+        source += f" (blocks {', '.join(map(str, kept.kept))} of {kept.total})"
+    return replace(
+        report, source=source, budget=run_plan.budget, blocks=run_plan.blocks, peak_rss=peak
+    )
 
 
 def verify_source(
-    source: str | None, *, model: str | None = None, trust_pickle: bool = False, opts=None
+    source: str | None,
+    *,
+    model: str | None = None,
+    trust_pickle: bool = False,
+    opts=None,
+    on_plan=None,
 ) -> VerifyReport:
     """Load ``source`` (and/or ``--model``) and verify it, on ``opts.world_size``
     processes when that is more than one (launched here, or this process's rank
@@ -36,9 +64,13 @@ def verify_source(
         return torchrun_rank(source, model, trust_pickle, opts)
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
     if opts.world_size == 1:
-        return verify_model(loaded, opts)
+        return verify_model(loaded, opts, on_plan)
     check_before_launch(loaded, opts)
-    return run_world([(source, model, trust_pickle, opts)])[0]
+    run_plan = plan_run(loaded, opts)
+    if on_plan is not None:
+        on_plan(run_plan)
+    report = run_world([(source, model, trust_pickle, run_plan.opts)])[0]
+    return finish(report, run_plan, peak_rss(children=True))
 
 
 def check_before_launch(loaded, opts: VerifyOptions) -> None:

@@ -1,10 +1,26 @@
-"""Single-process verify: the original and a converted twin side by side."""
+"""Single-process verify, one model alive at a time.
+
+1. The module's starting parameters and buffers go to disk (``store``).
+2. The original trains for every step; after each step its outputs, every gradient
+   by name and every parameter and buffer after the optimizer step go to disk, with
+   the state of the random generators after each micro-batch (for the RNG note).
+3. Its optimizer and gradients are dropped and the same module object is put back to
+   its starting values from disk, then converted in place (``convert_module``), so no
+   second copy of the model ever exists.
+4. The converted model runs the same micro-batches; each tensor is compared with the
+   original's, read back from disk one at a time.
+
+The peak is one model's training state plus one step's activations and temporaries.
+"""
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Mapping
+
+import torch
 
 from ..engine.flat import FlatModel, convert_module
+from ..engine.idioms import compiled
 from ..engine.layout import Layout
 from ..engine.step import forward_backward, make_optimizer, optimizer_tensors, rng_fingerprint
 from .common import (
@@ -25,47 +41,103 @@ from .common import (
     unused_kept,
     with_idioms,
 )
+from .store import ReferenceStore
 
 RNG_NOTE = (
     "the converted model drew a different amount of random numbers than the original "
     "({where}): some op of one draws where the other's does not"
 )
+START = -1  # the store's "step" holding the starting values
 
 
 def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
-    original = prep.original
-    twin = copy.deepcopy(original)
-    run_original, notes = with_idioms(original, prep.layout, opts)
-    run_twin, _ = with_idioms(twin, prep.layout, opts)
-    flat = convert_module(twin, prep.layout)
-    rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
-    ref_opt = make_optimizer(opts.optimizer, original.parameters())
-    opt = make_optimizer(opts.optimizer, flat.parameters())
-    memory, drift = None, []
-    for step in range(opts.steps):
-        for m in range(opts.micro_batches):
-            seed = micro_seed(opts, step, m)
-            batch = batch_for(original, opts, seed)
-            want = forward_backward(run_original, batch, seed)
-            drawn = rng_fingerprint()
-            got = forward_backward(run_twin, batch, seed)
-            if rng_fingerprint() != drawn:
-                drift.append(f"step {step} micro-batch {m}")
-            rec.compare("output", f"output (micro-batch {m})", step, got, want)
-        rec.compare_all("gradient", step, flat.named_grads(), named_grads(original))
-        for o in (ref_opt, opt):
-            if o is not None:
-                o.step()
-        if step == opts.steps - 1:
-            memory = _single_memory(flat, opt, prep.layout, opts)
-        rec.compare_all("parameter", step, flat.named_params(), named_params(original))
-        rec.compare_all("buffer", step, dict(twin.named_buffers()), dict(original.named_buffers()))
-        original.zero_grad(set_to_none=True)
-        flat.zero_grad()
-    flat.check_padding()
+    module = prep.original
+    run, notes = with_idioms(module, prep.layout, opts)
+    with ReferenceStore() as store:
+        store.save_step(START, _starting_values(module))
+        drawn = run_original(module, run, opts, store)
+        _put_back(module, store)
+        if opts.compile:
+            torch._dynamo.reset()  # the converted model compiles afresh, as a second model would
+        flat = convert_module(module, prep.layout)
+        run = compiled(module) if opts.compile else module
+        rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
+        memory, drift = run_converted(flat, run, opts, store, rec, drawn, prep.layout)
     if drift:
         notes.append(RNG_NOTE.format(where=", ".join(drift[:3])))
     return build_report(prep, opts, rec, (memory,), backend="", extra_notes=notes)
+
+
+def _starting_values(module) -> dict[str, Mapping]:
+    return {
+        "parameter": {n: p.detach() for n, p in module.named_parameters()},
+        "buffer": dict(module.named_buffers()),
+    }
+
+
+def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> list[bytes]:
+    """Every step of the original, kept on disk; the generators' state after each
+    micro-batch."""
+    opt = make_optimizer(opts.optimizer, module.parameters())
+    drawn = []
+    for step in range(opts.steps):
+        outputs = {}
+        for m in range(opts.micro_batches):
+            seed = micro_seed(opts, step, m)
+            outputs[f"output (micro-batch {m})"] = forward_backward(
+                run, batch_for(module, opts, seed), seed
+            )
+            drawn.append(rng_fingerprint())
+        grads = named_grads(module)
+        if opt is not None:
+            opt.step()
+        parts = {"output": outputs, "gradient": grads, "parameter": named_params(module)}
+        parts["buffer"] = dict(module.named_buffers())
+        store.save_step(step, parts)
+        module.zero_grad(set_to_none=True)
+    return drawn
+
+
+def _put_back(module, store: ReferenceStore) -> None:
+    """The module's parameters and buffers back to their starting values, in place."""
+    with store.open_step(START) as handle, torch.no_grad():
+        for kind, items in (("parameter", module.named_parameters()), ("buffer", None)):
+            items = dict(items) if items is not None else dict(module.named_buffers())
+            stored = store.view(handle, START, kind)
+            for name, t in items.items():
+                t.copy_(stored[name])
+
+
+def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Recorder, drawn, layout):
+    """The converted model's steps, each tensor compared with the original's on disk."""
+    module = flat.module
+    opt = make_optimizer(opts.optimizer, flat.parameters())
+    memory, drift = None, []
+    for step in range(opts.steps):
+        with store.open_step(step, _device(opts)) as handle:
+            want = {k: store.view(handle, step, k) for k in ("output", "gradient", "parameter")}
+            for m in range(opts.micro_batches):
+                seed = micro_seed(opts, step, m)
+                got = forward_backward(run, batch_for(module, opts, seed), seed)
+                if rng_fingerprint() != drawn[step * opts.micro_batches + m]:
+                    drift.append(f"step {step} micro-batch {m}")
+                name = f"output (micro-batch {m})"
+                rec.compare("output", name, step, got, want["output"][name])
+            rec.compare_all("gradient", step, flat.named_grads(), want["gradient"])
+            if opt is not None:
+                opt.step()
+            if step == opts.steps - 1:
+                memory = _single_memory(flat, opt, layout, opts)
+            rec.compare_all("parameter", step, flat.named_params(), want["parameter"])
+            buffers = store.view(handle, step, "buffer")
+            rec.compare_all("buffer", step, dict(module.named_buffers()), buffers)
+        flat.zero_grad()
+    flat.check_padding()
+    return memory, drift
+
+
+def _device(opts: VerifyOptions) -> str:
+    return "cuda:0" if opts.device == "cuda" else "cpu"
 
 
 def _single_memory(flat: FlatModel, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
