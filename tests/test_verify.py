@@ -139,7 +139,7 @@ def test_markdown():
         ["verify", "--model", "sample_models.models:mlp", "--format", "markdown", "--steps", "1"],
     )
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("**OK") and "| kind |" in result.output
+    assert result.stdout.startswith("**OK") and "| kind |" in result.stdout  # header on stderr
 
 
 def test_input_shape_is_used():
