@@ -9,6 +9,8 @@ takes the real step's path, see ``profiling/fake.py``), so equality is to the by
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -24,6 +26,7 @@ from hf_models import VOCAB, tiny_config  # noqa: E402
 pytestmark = pytest.mark.hf
 runner = CliRunner()
 ARCH = {
+    "bert": "BertForMaskedLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
@@ -168,10 +171,17 @@ def test_peak_by_module_names_the_swiglu_activations(tmp_path):
 
 
 @pytest.mark.parametrize("fake", [False, True])
-def test_sequence_longer_than_the_position_table(tmp_path, fake):
-    path = folder(tmp_path, "gpt2")  # n_positions 16
-    with pytest.raises(YafsdpError, match=r"--seq-len 32 is longer .* 16 positions"):
-        profile_model(load_source(path), ProfileOptions(batch=1, seq_len=32, fake=fake))
+@pytest.mark.parametrize(
+    ("name", "tokens", "limit"),
+    [
+        ("gpt2", 32, "16 positions (config n_positions)"),  # IndexError in wpe
+        ("bert", 600, "512 positions (config max_position_embeddings)"),  # a buffer of 512
+    ],
+)
+def test_sequence_longer_than_the_position_table(tmp_path, fake, name, tokens, limit):
+    path = folder(tmp_path, name)
+    with pytest.raises(YafsdpError, match=rf"--seq-len {tokens} is longer .*{re.escape(limit)}"):
+        profile_model(load_source(path), ProfileOptions(batch=1, seq_len=tokens, fake=fake))
 
 
 def test_position_limit_from_the_cli_is_one_line(tmp_path):

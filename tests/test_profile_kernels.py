@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.profiling import ProfileOptions, profile_model
-from yafsdp_cli.profiling.fake import FakeStep, entered, make_fake_mode
+from yafsdp_cli.profiling.fake import REAL_LIMIT, FakeStep, entered, make_fake_mode
 from yafsdp_cli.profiling.kernels import CudaAttention, cuda_kernel
 from yafsdp_cli.sources import load_source
 
@@ -116,7 +116,13 @@ def test_ops_on_real_tensors_run_for_real_and_weights_stay_fake():
         table = torch.ones(3, 3)  # a floating factory: fake
         mask = torch.ones(3, 3, dtype=torch.bool).tril()  # an index factory: real
         out = F.embedding(ids, weight)  # a fake weight: fake
+        where = torch.nonzero(mask)  # a data-dependent shape: real
+        big = torch.ones(REAL_LIMIT + 1, dtype=torch.bool)  # over the limit: fake
+        bigger = ids.expand(REAL_LIMIT + 1, 3) + 1  # all-real inputs, over the limit: fake
+        first = int(ids[0, 0])  # a value: real
     assert not isinstance(positions, FakeTensor) and shifted.tolist() == [1, 2, 3]
+    assert where.shape == (6, 2) and first == 1
+    assert isinstance(big, FakeTensor) and isinstance(bigger, FakeTensor)
     assert not isinstance(mask, FakeTensor) and bool(mask[2, 0]) and not bool(mask[0, 2])
     assert isinstance(table, FakeTensor) and isinstance(out, FakeTensor)
     assert out.shape == (1, 3, 4)

@@ -15,8 +15,12 @@ from a weight. So in the fake step:
   (``FakeStep`` below, one rule for every model): positions, masks and the checks on
   them take the values and so the path of a real run;
 - an op without tensor arguments (a factory: ``arange``, ``ones``) runs for real when
-  it makes an integer or boolean tensor of at most ``REAL_INDEX_LIMIT`` elements
-  (indices and masks), else fake; floating factories are always fake;
+  it makes an integer or boolean tensor (indices and masks); floating factories
+  (random noise, buffers) are fake;
+- either stays fake when it would make a tensor of more than ``REAL_LIMIT`` elements
+  (a (8192, 8192) mask is at the limit), so the host never holds a big one: the
+  op is run fake first to see what it makes (one that cannot be, ``nonzero`` of a
+  real mask, runs for real);
 - every other op runs on FakeTensors: a model that does not fit costs no memory;
 - ``kernels.OVERRIDES`` replace the fake kernels that allocate other than the real
   kernel does (``torch._grouped_mm``, transformers 5's MoE experts) and, for
@@ -25,7 +29,7 @@ from a weight. So in the fake step:
   sequence longer than a position table fails fake as it fails for real.
 
 Real tensors in a fake step are the batch and what it alone makes: token-sized
-integers and, where a model builds one, a boolean mask. A branch on the value of a
+integers and, where a model builds one, a (seq, seq) mask. A branch on the value of a
 tensor computed from weights still cannot be taken without the weights: that is a
 one-line error naming the op (``fake_errors``).
 """
@@ -45,9 +49,10 @@ from ..engine import dtypes
 from ..engine.module_spec import collect_tensors
 from ..errors import YafsdpError
 from .kernels import OVERRIDES
+from .positions import PositionLimitError
 from .tracker import op_tensors
 
-REAL_INDEX_LIMIT = 1 << 26  # elements: a (4096, 4096) bool mask is 1 << 24
+REAL_LIMIT = 1 << 26  # elements of one real tensor in a fake step: (8192, 8192)
 _EMBEDDING = torch.ops.aten.embedding.default
 
 
@@ -69,12 +74,22 @@ class FakeStep(TorchDispatchMode):
             if func is _EMBEDDING:
                 _check_indices(*args[:2])
             return func(*args, **kwargs)
-        if tensors:
+        if not _returns_tensors(func):
+            return _real(func, args, kwargs)  # .item(), .tolist(): values, for real
+        try:
+            probe = func(*args, **kwargs)  # fake: what it would make
+        except Exception:  # an output shape only a real run knows (nonzero)
             return _real(func, args, kwargs)
-        out = func(*args, **kwargs)  # a factory: fake first, to see what it makes
-        if _is_index(out):
-            return _real(func, args, kwargs)
-        return out
+        outs = op_tensors(probe if isinstance(probe, (list, tuple)) else (probe,))
+        if any(t.numel() > REAL_LIMIT for t in outs):
+            return probe
+        if not tensors and not all(_is_index(t) for t in outs):
+            return probe  # a floating factory
+        return _real(func, args, kwargs)
+
+
+def _returns_tensors(func) -> bool:
+    return any("Tensor" in str(r.type) for r in func._schema.returns)
 
 
 def _real(func, args, kwargs):
@@ -82,12 +97,8 @@ def _real(func, args, kwargs):
         return func(*args, **kwargs)
 
 
-def _is_index(out) -> bool:
-    outs = op_tensors(out if isinstance(out, (list, tuple)) else (out,))
-    return bool(outs) and all(
-        not (t.is_floating_point() or t.is_complex()) and t.numel() <= REAL_INDEX_LIMIT
-        for t in outs
-    )
+def _is_index(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex())
 
 
 def _check_indices(weight: torch.Tensor, indices: torch.Tensor) -> None:
@@ -134,7 +145,7 @@ def fake_errors(fake: bool):
         yield
     except YafsdpError as exc:
         cause = exc.__cause__
-        if cause is None or isinstance(cause, IndexError):
+        if cause is None or isinstance(exc, PositionLimitError):
             raise
         raise YafsdpError(_fake_message(cause)) from cause
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:

@@ -17,6 +17,11 @@ from torch import nn
 from ..errors import YafsdpError
 
 LIMIT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "block_size", "max_seq_len")
+FORWARD_FAILED = "the model's forward failed"  # how engine.step.run_forward's errors begin
+
+
+class PositionLimitError(YafsdpError):
+    """The batch is longer than the model's positions (or an index is past a table)."""
 
 
 def position_limit(module: nn.Module) -> tuple[str, int] | None:
@@ -36,24 +41,32 @@ def tokens(opts) -> int:
 
 @contextlib.contextmanager
 def index_errors(module: nn.Module, opts):
-    """An embedding index past its table, from the forward, as one clear error."""
+    """A forward that failed on a batch longer than the model's stated position limit
+    (an embedding index past its table, a position buffer too short to expand), or on
+    an index past a table, as one clear error."""
     try:
         yield
     except YafsdpError as exc:
-        if not isinstance(exc.__cause__, IndexError):
+        cause = exc.__cause__
+        if isinstance(exc, PositionLimitError) or cause is None:
             raise
-        raise YafsdpError(_message(module, opts, exc.__cause__)) from exc.__cause__
+        message = _message(module, opts, cause, str(exc).startswith(FORWARD_FAILED))
+        if message is None:
+            raise
+        raise PositionLimitError(message) from cause
 
 
-def _message(module: nn.Module, opts, exc: IndexError) -> str:
+def _message(module: nn.Module, opts, exc: BaseException, in_forward: bool) -> str | None:
     n, name = tokens(opts), type(module).__name__
     limit = position_limit(module)
-    if limit is not None and n > limit[1]:
+    if in_forward and limit is not None and n > limit[1]:
         key, value = limit
         return (
             f"--seq-len {n} is longer than {name} takes: {value} positions (config {key}); "
             f"use --seq-len {value} or less"
         )
+    if not isinstance(exc, IndexError):
+        return None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else "IndexError"
     return (
         f"the model's forward failed: an embedding index is past its table ({first}); "
