@@ -120,8 +120,11 @@ def test_ops_on_real_tensors_run_for_real_and_weights_stay_fake():
         big = torch.ones(REAL_LIMIT + 1, dtype=torch.bool)  # over the limit: fake
         bigger = ids.expand(REAL_LIMIT + 1, 3) + 1  # all-real inputs, over the limit: fake
         first = int(ids[0, 0])  # a value: real
+        counted = torch.arange(3)
+        counted += torch.full_like(counted, 10)  # a write into a real tensor: once
+        counted.add_(1)
     assert not isinstance(positions, FakeTensor) and shifted.tolist() == [1, 2, 3]
-    assert where.shape == (6, 2) and first == 1
+    assert where.shape == (6, 2) and first == 1 and counted.tolist() == [11, 12, 13]
     assert isinstance(big, FakeTensor) and isinstance(bigger, FakeTensor)
     assert not isinstance(mask, FakeTensor) and bool(mask[2, 0]) and not bool(mask[0, 2])
     assert isinstance(table, FakeTensor) and isinstance(out, FakeTensor)

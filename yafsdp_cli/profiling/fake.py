@@ -20,7 +20,7 @@ from a weight. So in the fake step:
 - either stays fake when it would make a tensor of more than ``REAL_LIMIT`` elements
   (a (8192, 8192) mask is at the limit), so the host never holds a big one: the
   op is run fake first to see what it makes (one that cannot be, ``nonzero`` of a
-  real mask, runs for real);
+  real mask, and one that writes into a real tensor run for real);
 - every other op runs on FakeTensors: a model that does not fit costs no memory;
 - ``kernels.OVERRIDES`` replace the fake kernels that allocate other than the real
   kernel does (``torch._grouped_mm``, transformers 5's MoE experts) and, for
@@ -74,8 +74,9 @@ class FakeStep(TorchDispatchMode):
             if func is _EMBEDDING:
                 _check_indices(*args[:2])
             return func(*args, **kwargs)
-        if not _returns_tensors(func):
-            return _real(func, args, kwargs)  # .item(), .tolist(): values, for real
+        if func._schema.is_mutable or not _returns_tensors(func):
+            # writes into real tensors (a probe would write twice); .item(): values
+            return _real(func, args, kwargs)
         try:
             probe = func(*args, **kwargs)  # fake: what it would make
         except Exception:  # an output shape only a real run knows (nonzero)
