@@ -123,9 +123,13 @@ def test_ops_on_real_tensors_run_for_real_and_weights_stay_fake():
         counted = torch.arange(3)
         counted += torch.full_like(counted, 10)  # a write into a real tensor: once
         counted.add_(1)
+        overwritten = torch.arange(3)
+        overwritten.add_(F.embedding(torch.tensor([1]), weight)[0, :3].long())  # fake values
+        after = overwritten + 1  # no longer known: fake
     assert not isinstance(positions, FakeTensor) and shifted.tolist() == [1, 2, 3]
     assert where.shape == (6, 2) and first == 1 and counted.tolist() == [11, 12, 13]
     assert isinstance(big, FakeTensor) and isinstance(bigger, FakeTensor)
+    assert isinstance(after, FakeTensor) and after.shape == (3,)
     assert not isinstance(mask, FakeTensor) and bool(mask[2, 0]) and not bool(mask[0, 2])
     assert isinstance(table, FakeTensor) and isinstance(out, FakeTensor)
     assert out.shape == (1, 3, 4)

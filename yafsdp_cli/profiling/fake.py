@@ -26,7 +26,9 @@ from a weight. So in the fake step:
   kernel does (``torch._grouped_mm``, transformers 5's MoE experts) and, for
   ``--target cuda``, ``kernels.CudaAttention`` puts the CUDA attention kernels in;
 - an embedding looked up with real indices checks them as the kernel does, so a
-  sequence longer than a position table fails fake as it fails for real.
+  sequence longer than a position table fails fake as it fails for real;
+- a real tensor that an op writes a fake value into is fake from then on (its
+  values are no longer known); none of the models in the tests does this.
 
 Real tensors in a fake step are the batch and what it alone makes: token-sized
 integers and, where a model builds one, a (seq, seq) mask. A branch on the value of a
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..engine import dtypes
 from ..engine.module_spec import collect_tensors
@@ -64,15 +67,25 @@ def make_fake_mode() -> FakeTensorMode:
 class FakeStep(TorchDispatchMode):
     """Enter inside a ``make_fake_mode()``; see the note at the top of this file."""
 
+    def __init__(self):
+        super().__init__()
+        # real tensors a fake value was written into: their values are unknown now, so
+        # they go the fake way (FakeTensorMode keeps the fake it wrote into for each)
+        self.unknown = WeakIdKeyDictionary()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = op_tensors(args, kwargs.values())
-        if any(isinstance(t, FakeTensor) for t in tensors):
+        if any(isinstance(t, FakeTensor) for t in tensors) or (
+            self.unknown and any(t in self.unknown for t in tensors)
+        ):
             override = OVERRIDES.get(func)
             if override is not None:
                 return override(*args, **kwargs)
             if func is _EMBEDDING:
                 _check_indices(*args[:2])
+            if func._schema.is_mutable:
+                self._forget(func, args, kwargs)
             return func(*args, **kwargs)
         if func._schema.is_mutable or not _returns_tensors(func):
             # writes into real tensors (a probe would write twice); .item(): values
@@ -87,6 +100,14 @@ class FakeStep(TorchDispatchMode):
         if not tensors and not all(_is_index(t) for t in outs):
             return probe  # a floating factory
         return _real(func, args, kwargs)
+
+    def _forget(self, func, args, kwargs) -> None:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in op_tensors([value]):
+                    if not isinstance(t, FakeTensor):
+                        self.unknown[t] = True
 
 
 def _returns_tensors(func) -> bool:
