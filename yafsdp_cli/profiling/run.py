@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from ..engine.flat import HOLDER, convert_module
+from ..engine.flat import convert_module
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
@@ -201,8 +201,8 @@ def _shallow(name: str, opts: ProfileOptions) -> bool:
 
 
 def _assign_roles(tracker, module, params, opt, batch) -> None:
-    whole = [p for n, p in module.named_parameters() if n.startswith(HOLDER + "_")]
-    tracker.assign([*params, *whole, *module.parameters()], "parameters")
+    # module.parameters() holds the converted model's whole flat buffers too
+    tracker.assign([*params, *module.parameters()], "parameters")
     tracker.assign(list(module.buffers()), "buffers")
     tracker.assign(optimizer_tensors(opt), "optimizer")
     tracker.assign(batch.tensors(), "activations")
