@@ -69,7 +69,7 @@ def test_fake_grouped_mm_allocates_what_the_cpu_kernel_does(
     """Output and gradient layouts of the real CPU kernel and of the fake step, op by op
     through forward and backward (the kernel takes 16-byte aligned rows only)."""
     n = -(-n * dtype.itemsize // 16) * 16 // dtype.itemsize
-    cuts = sorted(torch.randint(0, tokens + 1, (experts - 1,)).tolist()) + [tokens]
+    cuts = [tokens * (e + 1) // experts for e in range(experts)]  # group ends
     offs = torch.tensor(cuts, dtype=torch.int32)
     shape_w = (experts, n, k) if transposed else (experts, k, n)
     x = torch.randn(tokens, k, dtype=dtype, requires_grad=True)
