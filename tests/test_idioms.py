@@ -89,7 +89,7 @@ def assert_same(want, got) -> None:
 def hf_checkpointing(model, mode: str):
     if mode != "none":
         kwargs = {"use_reentrant": mode == "reentrant"}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
 def checkpoint_parts(model, mode: str, part: str):

@@ -63,6 +63,30 @@ def profile_command(
     input_shape: InputShapeOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="cpu | cuda: whose kernels the figures are for (default: the device's). "
+            "cuda without a GPU needs --fake: CUDA's attention kernels are accounted.",
+        ),
+    ] = None,
+    checkpointing: Annotated[
+        str,
+        typer.Option(
+            "--checkpointing",
+            help="none | reentrant | non-reentrant: activation checkpointing of every unit "
+            "(transformers models: their own, every layer).",
+        ),
+    ] = "none",
+    modules: Annotated[
+        int,
+        typer.Option(
+            "--modules",
+            min=0,
+            help="Break the peak's activations down by the modules that made them: top N.",
+        ),
+    ] = 0,
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,
@@ -100,7 +124,10 @@ def profile_command(
             fake=fake,
             per_module=per_module,
             depth=depth,
+            modules=modules,
             device=device,
+            target=target,
+            checkpointing=checkpointing,
         )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar:
             report = profile_source(

@@ -55,7 +55,7 @@ CheckpointingOpt = Annotated[
     typer.Option(
         "--checkpointing",
         help="Activation checkpointing of every unit on both models: none | reentrant | "
-        "non-reentrant (transformers models through gradient_checkpointing_enable).",
+        "non-reentrant (transformers models through their own activation_checkpointing_enable).",
     ),
 ]
 CompileOpt = Annotated[

@@ -2,8 +2,9 @@
 
 - ``apply_checkpointing(module, mode, units)``: activation checkpointing of every
   unit (repeated block). A Hugging Face model gets its own
-  ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ...})``,
-  which is what training scripts call; any other module gets
+  ``activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": ...})``
+  (v4: ``gradient_checkpointing_enable``), what ``TrainingArguments`` and training
+  scripts call; any other module gets
   ``torch.utils.checkpoint.checkpoint`` around each unit's forward, as torchtitan's
   per-block wrapper does. ``mode`` is ``none``, ``reentrant`` or ``non-reentrant``.
 - ``compiled(module)``: ``torch.compile`` with the default (inductor) backend.
@@ -36,12 +37,15 @@ def apply_checkpointing(module: nn.Module, mode: str, units: Sequence[str]) -> s
     if mode == "none":
         return ""
     reentrant = mode == "reentrant"
-    if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
-        module, "gradient_checkpointing_enable"
-    ):
+    if getattr(module, "supports_gradient_checkpointing", False):
         kwargs = {"use_reentrant": reentrant}
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return f"transformers' gradient_checkpointing_enable(use_reentrant={reentrant})"
+        enable = getattr(module, "activation_checkpointing_enable", None)  # transformers v5
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+            return f"transformers' activation_checkpointing_enable(use_reentrant={reentrant})"
+        if hasattr(module, "gradient_checkpointing_enable"):  # v4
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            return f"transformers' gradient_checkpointing_enable(use_reentrant={reentrant})"
     blocks = [u for u in units if u]
     if not blocks:
         raise YafsdpError(

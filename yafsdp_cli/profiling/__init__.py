@@ -9,15 +9,15 @@ True
 
 from __future__ import annotations
 
-from .run import (
+from .results import (
     SCHEMA,
     CudaMemory,
+    ModuleShare,
     ProfileOptions,
     ProfileReport,
     StepProfile,
-    profile_model,
-    profile_source,
 )
+from .run import profile_model, profile_source
 from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Breakdown",
     "CudaMemory",
     "ModuleMemory",
+    "ModuleShare",
     "ProfileOptions",
     "ProfileReport",
     "StepProfile",

@@ -2,33 +2,29 @@
 
 ``profile_model`` builds the model (real, or fake: every parameter and buffer
 replaced by a FakeTensor of the same shape and dtype, so a model that does not fit
-costs no memory), takes one warm-up optimizer step on zero gradients so the
-optimizer state exists (the steady state every later step sees), then tracks one
-step: forward and loss, backward, optimizer step and ``zero_grad``. Then it converts
-the same module in place and does the same again; with ``world_size > 1`` the
-converted model runs as rank 0 of that many (``sharded.ShardedFlat`` with
-``LocalComm``): shards persist, each unit's buffers are gathered while it runs.
+costs no memory; see ``fake.py`` for how the fake step keeps the real step's
+kernels), takes one warm-up optimizer step on zero gradients so the optimizer state
+exists (the steady state every later step sees), then tracks one step: forward and
+loss, backward, optimizer step and ``zero_grad``. Then it converts the same module
+in place and does the same again; with ``world_size > 1`` the converted model runs
+as rank 0 of that many (``sharded.ShardedFlat`` with ``LocalComm``): shards persist,
+each unit's buffers are gathered while it runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..engine import dtypes
 from ..engine.flat import convert_module
-from ..engine.idioms import apply_checkpointing, check_checkpointing
-from ..engine.module_spec import collect_tensors, spec_from_module
+from ..engine.idioms import apply_checkpointing
+from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
 from ..engine.step import (
     Batch,
-    check_optimizer,
     make_batch,
     make_optimizer,
     optimizer_tensors,
@@ -36,85 +32,16 @@ from ..engine.step import (
     step_loss,
 )
 from ..errors import YafsdpError
-from .tracker import Breakdown, ModuleMemory, PhaseSeries, StorageTracker
+from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
+from .kernels import CudaAttention
+from .modules import module_names, peak_shares, tracking_modules
+from .positions import index_errors
+from .results import CudaMemory, ProfileOptions, ProfileReport, StepProfile
+from .tracker import StorageTracker
 
-SCHEMA = "yafsdp.profile/1"
+CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
 # progress(stage, done, total): called as each stage starts (for a progress bar)
 STAGES = ("building the model", "original step", "converting", "converted step")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ProfileOptions:
-    optimizer: str = "adamw"
-    optimizer_impl: str = "auto"
-    filters: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    units: tuple[str, ...] | None = None
-    world_size: int = 1
-    align: str = "yafsdp"
-    batch: int = 2
-    seq_len: int = 16
-    input_shape: tuple[int, ...] | None = None
-    seed: int = 0
-    fake: bool = False
-    per_module: bool = False
-    depth: int = 3  # per-module rows: module names with at most this many parts
-    device: str = "cpu"
-    checkpointing: str = "none"  # none | reentrant | non-reentrant, applied per unit
-
-    def __post_init__(self) -> None:
-        check_optimizer(self.optimizer, self.optimizer_impl)
-        check_checkpointing(self.checkpointing)
-        for name in ("world_size", "batch", "seq_len", "depth"):
-            if getattr(self, name) < 1:
-                flag = name.replace("_", "-")
-                raise YafsdpError(f"--{flag} must be at least 1, got {getattr(self, name)}")
-        if self.device not in ("cpu", "cuda"):
-            raise YafsdpError(f"--device {self.device!r} is not cpu or cuda")
-
-
-@dataclass(frozen=True, slots=True)
-class CudaMemory:
-    """``torch.cuda`` peaks over the tracked step (only with a GPU)."""
-
-    allocated_peak: int
-    reserved_peak: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepProfile:
-    variant: str  # "original" or "converted"
-    peak: Breakdown  # bytes alive at the step's peak, by category
-    peak_phase: str  # forward | backward | optimizer
-    phase_peaks: dict[str, int]  # the highest total in each phase
-    end: Breakdown  # alive after zero_grad: what the next step starts from
-    modules: tuple[ModuleMemory, ...]
-    cuda: CudaMemory | None
-    ops: int
-    wall_s: float
-    series: tuple[PhaseSeries, ...] = ()  # bytes alive through each phase, for charts
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileReport:
-    source: str
-    fake: bool
-    device: str
-    world_size: int  # the converted model runs as rank 0 of this many
-    optimizer: str
-    optimizer_impl: str
-    inputs: str  # e.g. "input_ids (1, 4096) int64"
-    round_bytes: int  # every storage rounded up to this (CUDA's allocator: 512)
-    flat_buffers: int
-    converted: int
-    kept: int
-    original: StepProfile
-    converted_step: StepProfile
-    notes: tuple[str, ...] = ()
-
-    @property
-    def saving_bytes(self) -> int:
-        return self.original.peak.total - self.converted_step.peak.total
 
 
 def profile_source(
@@ -129,16 +56,27 @@ def profile_source(
 def profile_model(loaded, opts: ProfileOptions | None = None, progress=None) -> ProfileReport:
     """Profile ``loaded`` (``sources.load_source``): original, then converted."""
     opts = opts or ProfileOptions()
+    _check_target(opts)
+    fake_mode = make_fake_mode() if opts.fake else None
+    with fake_errors(opts.fake):
+        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
+
+
+def _check_target(opts: ProfileOptions) -> None:
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
-    fake_mode = _fake_mode() if opts.fake else None
-    with _fake_errors(opts.fake):
-        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
+    if opts.device == "cuda" and opts.kernels == "cpu":
+        raise YafsdpError("--target cpu with --device cuda: the step runs CUDA kernels")
+    if opts.device == "cpu" and opts.kernels == "cuda" and not opts.fake:
+        raise YafsdpError(
+            "--target cuda on the CPU needs --fake: the CUDA kernels are accounted on fake "
+            "tensors; add --fake, or run --device cuda on a GPU"
+        )
 
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
     progress(STAGES[0], 0, len(STAGES))
-    with _entered(fake_mode):
+    with entered(fake_mode):
         module = build_module(loaded, opts, fake_mode)
         module.train()
         layout = plan(
@@ -149,14 +87,13 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
             world_size=opts.world_size,
             align=opts.align,
         )
-        apply_checkpointing(module, opts.checkpointing, layout.units)
-    batch = _batch(module, opts, fake_mode)
-    rounding = 512 if opts.device == "cuda" else 1
-    with _entered(fake_mode):
+        ckpt_note = apply_checkpointing(module, opts.checkpointing, layout.units)
+    batch = _batch(module, opts)
+    attention = CudaAttention() if _substitutes_cuda(opts) else None
+    step_mode = FakeStep() if fake_mode is not None else None
+    with entered(fake_mode, step_mode, attention), index_errors(module, opts):
         progress(STAGES[1], 1, len(STAGES))
-        original = _profile_step(
-            "original", module, list(module.parameters()), batch, opts, rounding
-        )
+        original = _profile_step("original", module, list(module.parameters()), batch, opts)
         progress(STAGES[2], 2, len(STAGES))
         flat = convert_module(module, layout)
         sharded = None
@@ -164,72 +101,44 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
             sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
         params = sharded.parameters() if sharded else flat.parameters()
         progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step("converted", module, params, batch, opts, rounding, sharded)
+        converted = _profile_step("converted", module, params, batch, opts, sharded)
     progress("done", len(STAGES), len(STAGES))
+    kernels = dict(attention.used) if attention else {}
     return ProfileReport(
         source=loaded.spec.source,
         fake=opts.fake,
         device=opts.device,
+        target=opts.kernels,
         world_size=opts.world_size,
         optimizer=opts.optimizer,
-        optimizer_impl=opts.optimizer_impl,
+        optimizer_impl=_optimizer_impl(opts),
+        checkpointing=opts.checkpointing,
         inputs=batch.describe(),
-        round_bytes=rounding,
+        round_bytes=_rounding(opts),
         flat_buffers=len(layout.buffers),
         converted=sum(len(b.entries) for b in layout.buffers),
         kept=sum(1 for t in layout.kept if t.is_param),
         original=original,
         converted_step=converted,
-        notes=_notes(opts),
+        kernels=kernels,
+        notes=_notes(opts, ckpt_note, kernels),
     )
 
 
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
+def _substitutes_cuda(opts: ProfileOptions) -> bool:
+    return opts.kernels == "cuda" and opts.device == "cpu"
 
 
-@contextlib.contextmanager
-def _fake_errors(fake: bool):
-    """Under --fake, an op fake tensors cannot run is one clear error, and torch's
-    fake-tensor logger does not print its traceback first."""
-    if not fake:
-        yield
-        return
-    import logging
-
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    except YafsdpError as exc:
-        cause = exc.__cause__
-        if cause is None:
-            raise
-        raise YafsdpError(_fake_message(cause)) from cause
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-        raise YafsdpError(_fake_message(exc)) from exc
-    finally:
-        log.setLevel(level)
+def _rounding(opts: ProfileOptions) -> int:
+    return CUDA_ROUND if opts.kernels == "cuda" else 1
 
 
-def _fake_message(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return (
-        f"--fake: this model does not run on fake tensors ({type(exc).__name__}: {first}); "
-        "profile it without --fake, or on the device its kernels need"
-    )
-
-
-@contextlib.contextmanager
-def _entered(mode):
-    if mode is None:
-        yield
-    else:
-        with mode:
-            yield
+def _optimizer_impl(opts: ProfileOptions) -> str:
+    """torch's default (``auto``) for the target: foreach on CUDA, for-loop on the CPU.
+    Fake CPU tensors would get the CPU's default, so the CUDA one is named."""
+    if opts.optimizer_impl == "auto" and _substitutes_cuda(opts):
+        return "foreach"
+    return opts.optimizer_impl
 
 
 def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
@@ -242,24 +151,8 @@ def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
     return fake_copy(loaded.module, loaded.spec, opts.device)
 
 
-def fake_copy(module: nn.Module, spec, device: str) -> nn.Module:
-    """``module`` (meta or real) with every tensor replaced by an empty one of the
-    same shape, in the dtype the weights have; call inside a FakeTensorMode. Ties are
-    kept (one replacement per tensor object)."""
-    by_name = spec.by_name() if spec is not None else {}
-    memo: dict[int, torch.Tensor] = {}
-    for item in collect_tensors(module):
-        t = item.tensor
-        record = by_name.get(item.names[0])
-        dtype = dtypes.to_torch(record.dtype) if record is not None else t.dtype
-        new = torch.empty(t.shape, dtype=dtype, device=device)
-        if item.is_param:
-            new = nn.Parameter(new, requires_grad=t.requires_grad)
-        memo[id(t)] = new
-    return copy.deepcopy(module, memo)
-
-
-def _batch(module: nn.Module, opts: ProfileOptions, fake_mode) -> Batch:
+def _batch(module: nn.Module, opts: ProfileOptions) -> Batch:
+    """Real tensors, in a fake run too (see ``fake.py``)."""
     batch = make_batch(
         module,
         batch=opts.batch,
@@ -269,8 +162,6 @@ def _batch(module: nn.Module, opts: ProfileOptions, fake_mode) -> Batch:
     )
     if opts.device == "cuda":
         batch = batch.map(lambda t: t.to("cuda"))
-    if fake_mode is not None:
-        batch = batch.map(fake_mode.from_tensor)
     return batch
 
 
@@ -285,20 +176,21 @@ def _warm_up(opt, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) -> StepProfile:
-    opt = make_optimizer(opts.optimizer, params, opts.optimizer_impl)
+def _profile_step(variant, module, params, batch, opts, sharded=None) -> StepProfile:
+    opt = make_optimizer(opts.optimizer, params, _optimizer_impl(opts))
     _warm_up(opt, params)
-    tracker = StorageTracker(rounding)
+    tracker = StorageTracker(_rounding(opts))
     _assign_roles(tracker, module, params, opt, batch)
     if sharded is not None:
         sharded.on_grad_buffer = lambda g: tracker.assign(g, "gradients")
-    names = _module_names(module, opts) if opts.per_module else {}
+    names = module_names(module, opts)
+    rows = [n for n in dict.fromkeys(names.values()) if opts.per_module and _shallow(n, opts)]
     cuda_before = _cuda_reset(opts.device)
     start = time.perf_counter()
-    with tracker, _tracking_modules(tracker, names):
+    with tracker, tracking_modules(tracker, names):
         _tracked_step(tracker, module, params, batch, opt, opts, sharded)
     wall = time.perf_counter() - start
-    timeline = tracker.replay(list(dict.fromkeys(names.values())))
+    timeline = tracker.replay(rows)
     return StepProfile(
         variant=variant,
         peak=timeline.peak,
@@ -306,6 +198,7 @@ def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) 
         phase_peaks=timeline.phase_peaks,
         end=timeline.end,
         modules=timeline.modules,
+        peak_modules=peak_shares(module, timeline.peak_by_module, opts.modules),
         cuda=_cuda_peaks(opts.device, cuda_before),
         ops=timeline.ops,
         wall_s=wall,
@@ -313,7 +206,12 @@ def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) 
     )
 
 
+def _shallow(name: str, opts: ProfileOptions) -> bool:
+    return name.count(".") < opts.depth
+
+
 def _assign_roles(tracker, module, params, opt, batch) -> None:
+    # converted: params are the flat buffers (or shards); module.parameters() are views
     tracker.assign([*params, *module.parameters()], "parameters")
     tracker.assign(list(module.buffers()), "buffers")
     tracker.assign(optimizer_tensors(opt), "optimizer")
@@ -339,38 +237,6 @@ def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
         p.grad = None
 
 
-def _module_names(module: nn.Module, opts: ProfileOptions) -> dict[int, str]:
-    out = {}
-    for name, m in module.named_modules():
-        if name and name.count(".") < opts.depth:
-            out.setdefault(id(m), name)
-    return out
-
-
-@contextlib.contextmanager
-def _tracking_modules(tracker: StorageTracker, names: dict[int, str]):
-    if not names:
-        yield
-        return
-    from torch.distributed._tools.mod_tracker import ModTracker
-
-    def hook(backward: bool, enter: bool):
-        def fn(mod, *_args):
-            name = names.get(id(mod)) if mod is not None else None
-            if name is not None:
-                (tracker.enter_module if enter else tracker.exit_module)(name, backward)
-
-        return fn
-
-    mt = ModTracker()
-    mt.register_user_hooks(
-        hook(False, True), hook(False, False), hook(True, True), hook(True, False)
-    )
-    with mt:
-        yield
-    mt.clear_user_hooks()
-
-
 def _cuda_reset(device: str):
     # Not testable on a machine without a GPU; guarded so it never runs there.
     if device != "cuda" or not torch.cuda.is_available():
@@ -387,13 +253,27 @@ def _cuda_peaks(device: str, started) -> CudaMemory | None:
     return CudaMemory(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
 
 
-def _notes(opts: ProfileOptions) -> tuple[str, ...]:
+def _notes(opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int]) -> tuple[str, ...]:
     notes = [
         "one warm-up step on zero gradients first, so optimizer state exists as in every "
         "later step; bytes are the storages the step's tensors use, not the allocator's cache",
     ]
     if opts.fake:
-        notes.append("fake tensors (FakeTensorMode): shapes and dtypes only, no memory used")
+        notes.append(
+            "fake tensors (FakeTensorMode): weights and activations have shapes and dtypes "
+            "only, no memory used; the batch and what it alone makes (positions, masks) are "
+            "real, so the model takes the path a real step takes"
+        )
+    if _substitutes_cuda(opts):
+        used = ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())) or "none called"
+        notes.append(
+            "--target cuda without a GPU: attention accounted as CUDA's sdpa kernels save it "
+            f"({used}; sm80+, default backend order), storages rounded to 512 B as CUDA's "
+            "caching allocator does, the optimizer's CUDA default (foreach); kernel "
+            "workspaces are not counted (see the README)"
+        )
+    if ckpt_note:
+        notes.append(f"activation checkpointing: {ckpt_note}")
     if opts.world_size > 1:
         notes.append(
             f"converted: rank 0 of {opts.world_size}; persistent parameters, gradients and "

@@ -27,9 +27,11 @@ def to_json(report: ProfileReport) -> str:
             "source": report.source,
             "fake": report.fake,
             "device": report.device,
+            "target": report.target,
             "world_size": report.world_size,
             "optimizer": report.optimizer,
             "optimizer_impl": report.optimizer_impl,
+            "checkpointing": report.checkpointing,
             "inputs": report.inputs,
             "round_bytes": report.round_bytes,
             "flat_buffers": report.flat_buffers,
@@ -38,6 +40,7 @@ def to_json(report: ProfileReport) -> str:
             "original": _step_json(report.original),
             "converted": _step_json(report.converted_step),
             "saving_bytes": report.saving_bytes,
+            "kernels": report.kernels,
             "notes": report.notes,
         },
     )
@@ -51,6 +54,7 @@ def _step_json(s: StepProfile) -> dict:
         "phase_peaks": s.phase_peaks,
         "end_of_step": s.end,
         "modules": s.modules,
+        "peak_modules": s.peak_modules,
         "cuda": s.cuda,
         "ops": s.ops,
         "wall_s": round(s.wall_s, 4),
@@ -62,17 +66,32 @@ def sections(report: ProfileReport) -> list[Section]:
     out = [summary_section(report), peak_section(report)]
     if report.original.modules or report.converted_step.modules:
         out.append(module_section(report))
+    for step in (report.original, report.converted_step):
+        if step.peak_modules:
+            out.append(peak_module_section(step))
     return out
 
 
 def summary_section(report: ProfileReport) -> Section:
     mode = "fake tensors (no memory used)" if report.fake else f"real tensors on {report.device}"
     run = "1 process" if report.world_size == 1 else f"rank 0 of {report.world_size}"
+    kernels = report.target
+    if report.target != report.device:
+        kernels += " (substituted at dispatch: no GPU here)"
+    ckpt = (
+        ""
+        if report.checkpointing == "none"
+        else f"; {report.checkpointing} activation checkpointing per unit"
+    )
     rows = (
         ("source", report.source),
         ("run", f"{mode}; converted as {run}"),
+        ("kernels", kernels),
         ("inputs", report.inputs),
-        ("step", f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step"),
+        (
+            "step",
+            f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step{ckpt}",
+        ),
         (
             "converted",
             f"{report.converted} parameters in {report.flat_buffers} flat buffers, "
@@ -170,6 +189,31 @@ def module_section(report: ProfileReport) -> Section:
         "(original); peaks: the most alive while it ran"
     )
     return Section("Per module", headers, tuple(rows), right=(1, 2, 3, 4, 5), caption=caption)
+
+
+def peak_module_section(step: StepProfile) -> Section:
+    rows = tuple(
+        (m.name, m.kind, str(m.count), human_bytes(m.bytes), _share(m.bytes, step.peak.total))
+        for m in step.peak_modules
+    )
+    listed = sum(m.bytes for m in step.peak_modules)
+    caption = (
+        "activations alive at the peak, by the innermost module whose forward made them; "
+        "modules that differ only by index are one row; "
+        f"{human_bytes(step.peak.activations - listed)} of the peak's activations are "
+        "elsewhere (other modules, the batch, the loss)"
+    )
+    return Section(
+        f"Peak by module ({step.variant})",
+        ("module", "kind", "modules", "activations", "of the peak"),
+        rows,
+        right=(2, 3, 4),
+        caption=caption,
+    )
+
+
+def _share(n: int, total: int) -> str:
+    return f"{100.0 * n / total:.1f}%" if total else "-"
 
 
 def _delta(n: int) -> str:

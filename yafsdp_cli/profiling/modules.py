@@ -1,0 +1,77 @@
+"""Which module made what: module names for the tracker, and the peak by module.
+
+``--modules N`` ranks the makers of the activations alive at the step's peak. A
+block is credited to the innermost module whose forward made it (the ``q_proj`` that
+produced a projection, the ``self_attn`` that ran the attention kernel), so rows do
+not count a byte twice; modules whose names differ only in their indices
+(``model.layers.0.mlp`` ... ``model.layers.79.mlp``) are one row, with their count,
+as a model's repeated blocks make the same activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from torch import nn
+
+from .results import ModuleShare
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def module_names(module: nn.Module, opts) -> dict[int, str]:
+    """``id(module) -> name`` for the modules the tracker follows: every named module
+    when the peak is broken down by module, else those the per-module rows need."""
+    if not (opts.modules or opts.per_module):
+        return {}
+    out: dict[int, str] = {}
+    for name, m in module.named_modules():
+        if name and (opts.modules or name.count(".") < opts.depth):
+            out.setdefault(id(m), name)
+    return out
+
+
+def pattern(name: str) -> str:
+    """``model.layers.12.mlp`` -> ``model.layers.*.mlp``."""
+    return _INDEX.sub("*", name)
+
+
+def peak_shares(module: nn.Module, made: dict[str, int], top: int) -> tuple[ModuleShare, ...]:
+    """The ``top`` largest rows of ``made`` (bytes by module name), grouped by pattern."""
+    if not top or not made:
+        return ()
+    kinds = {name: type(m).__name__ for name, m in module.named_modules()}
+    groups: dict[str, list] = {}
+    for name, nbytes in made.items():
+        row = groups.setdefault(pattern(name), [kinds.get(name, "?"), 0, 0])
+        row[1] += 1
+        row[2] += nbytes
+    rows = [ModuleShare(p, kind, count, b) for p, (kind, count, b) in groups.items()]
+    rows.sort(key=lambda r: (-r.bytes, r.name))
+    return tuple(rows[:top])
+
+
+@contextlib.contextmanager
+def tracking_modules(tracker, names: dict[int, str]):
+    """Tell ``tracker`` when each named module's forward and backward start and end."""
+    if not names:
+        yield
+        return
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    def hook(backward: bool, enter: bool):
+        def fn(mod, *_args):
+            name = names.get(id(mod)) if mod is not None else None
+            if name is not None:
+                (tracker.enter_module if enter else tracker.exit_module)(name, backward)
+
+        return fn
+
+    mt = ModTracker()
+    mt.register_user_hooks(
+        hook(False, True), hook(False, False), hook(True, True), hook(True, False)
+    )
+    with mt:
+        yield
+    mt.clear_user_hooks()
