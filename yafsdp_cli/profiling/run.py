@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import dtypes
 from ..engine.flat import convert_module
+from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import collect_tensors, spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
@@ -35,9 +36,11 @@ from ..engine.step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from .precision import Masters, cast_params, check_training_dtypes
 from .tracker import Breakdown, ModuleMemory, PhaseSeries, StorageTracker
 
 SCHEMA = "yafsdp.profile/1"
+CHECKPOINTING = ("none", "units")
 # progress(stage, done, total): called as each stage starts (for a progress bar)
 STAGES = ("building the model", "original step", "converting", "converted step")
 
@@ -59,9 +62,20 @@ class ProfileOptions:
     per_module: bool = False
     depth: int = 3  # per-module rows: module names with at most this many parts
     device: str = "cpu"
+    param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
+    grad_dtype: str | None = None  # None: the parameter's dtype
+    checkpointing: str = "none"  # none | units (non-reentrant, every unit)
+    round_bytes: int | None = None  # None: 512 on cuda (the caching allocator), else 1
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer, self.optimizer_impl)
+        check_training_dtypes(self.param_dtype, self.grad_dtype)
+        if self.checkpointing not in CHECKPOINTING:
+            raise YafsdpError(
+                f"--checkpointing {self.checkpointing!r} is not one of {'|'.join(CHECKPOINTING)}"
+            )
+        if self.round_bytes is not None and self.round_bytes < 1:
+            raise YafsdpError(f"--round-bytes must be at least 1, got {self.round_bytes}")
         for name in ("world_size", "batch", "seq_len", "depth"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")
@@ -133,34 +147,63 @@ def profile_model(loaded, opts: ProfileOptions | None = None, progress=None) -> 
         return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
 
 
+def profile_converted(loaded, opts: ProfileOptions) -> StepProfile:
+    """The converted model's step alone (what ``plan`` measures), no original step."""
+    fake_mode = _fake_mode() if opts.fake else None
+    with _fake_errors(opts.fake):
+        with _entered(fake_mode):
+            module, layout = _prepared(loaded, opts, fake_mode)
+        batch = _batch(module, opts, fake_mode)
+        with _entered(fake_mode):
+            return _converted(module, layout, batch, opts)
+
+
+def _prepared(loaded, opts: ProfileOptions, fake_mode):
+    """The module in its training dtype with its layout, units checkpointed if asked
+    (on this one model: it is converted in place, never copied)."""
+    module = build_module(loaded, opts, fake_mode)
+    cast_params(module, opts.param_dtype)
+    module.train()
+    layout = plan(
+        spec_from_module(module),
+        filters=opts.filters,
+        excludes=opts.excludes,
+        units=opts.units,
+        world_size=opts.world_size,
+        align=opts.align,
+    )
+    if opts.checkpointing == "units":
+        apply_checkpointing(module, "non-reentrant", layout.units)
+    return module, layout
+
+
+def _rounding(opts: ProfileOptions) -> int:
+    if opts.round_bytes is not None:
+        return opts.round_bytes
+    return 512 if opts.device == "cuda" else 1
+
+
+def _converted(module, layout, batch, opts: ProfileOptions) -> StepProfile:
+    flat = convert_module(module, layout)
+    sharded = None
+    if opts.world_size > 1:
+        sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
+    params = sharded.parameters() if sharded else flat.parameters()
+    return _profile_step("converted", module, params, batch, opts, _rounding(opts), sharded)
+
+
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
     progress(STAGES[0], 0, len(STAGES))
     with _entered(fake_mode):
-        module = build_module(loaded, opts, fake_mode)
-        module.train()
-        layout = plan(
-            spec_from_module(module),
-            filters=opts.filters,
-            excludes=opts.excludes,
-            units=opts.units,
-            world_size=opts.world_size,
-            align=opts.align,
-        )
+        module, layout = _prepared(loaded, opts, fake_mode)
     batch = _batch(module, opts, fake_mode)
-    rounding = 512 if opts.device == "cuda" else 1
     with _entered(fake_mode):
         progress(STAGES[1], 1, len(STAGES))
-        original = _profile_step(
-            "original", module, list(module.parameters()), batch, opts, rounding
-        )
+        params = list(module.parameters())
+        original = _profile_step("original", module, params, batch, opts, _rounding(opts))
         progress(STAGES[2], 2, len(STAGES))
-        flat = convert_module(module, layout)
-        sharded = None
-        if opts.world_size > 1:
-            sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
-        params = sharded.parameters() if sharded else flat.parameters()
         progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step("converted", module, params, batch, opts, rounding, sharded)
+        converted = _converted(module, layout, batch, opts)
     progress("done", len(STAGES), len(STAGES))
     return ProfileReport(
         source=loaded.spec.source,
@@ -170,7 +213,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
         optimizer=opts.optimizer,
         optimizer_impl=opts.optimizer_impl,
         inputs=batch.describe(),
-        round_bytes=rounding,
+        round_bytes=_rounding(opts),
         flat_buffers=len(layout.buffers),
         converted=sum(len(b.entries) for b in layout.buffers),
         kept=sum(1 for t in layout.kept if t.is_param),
@@ -282,17 +325,21 @@ def _warm_up(opt, params: list[nn.Parameter]) -> None:
 
 
 def _profile_step(variant, module, params, batch, opts, rounding, sharded=None) -> StepProfile:
-    opt = make_optimizer(opts.optimizer, params, opts.optimizer_impl)
-    _warm_up(opt, params)
+    masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
+    stepped = masters.stepped if masters else params
+    opt = make_optimizer(opts.optimizer, stepped, opts.optimizer_impl)
+    _warm_up(opt, stepped)
     tracker = StorageTracker(rounding)
     _assign_roles(tracker, module, params, opt, batch)
+    if masters is not None:
+        tracker.assign(masters.masters(), "optimizer")  # float32 masters: optimizer-owned
     if sharded is not None:
         sharded.on_grad_buffer = lambda g: tracker.assign(g, "gradients")
     names = _module_names(module, opts) if opts.per_module else {}
     cuda_before = _cuda_reset(opts.device)
     start = time.perf_counter()
     with tracker, _tracking_modules(tracker, names):
-        _tracked_step(tracker, module, params, batch, opt, opts, sharded)
+        _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
     wall = time.perf_counter() - start
     timeline = tracker.replay(list(dict.fromkeys(names.values())))
     return StepProfile(
@@ -316,7 +363,7 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
     tracker.assign(batch.tensors(), "activations")
 
 
-def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
+def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -> None:
     tracker.set_phase("forward")
     torch.manual_seed(opts.seed)
     loss = step_loss(run_forward(module, batch), opts.seed)
@@ -325,13 +372,20 @@ def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
     del loss
     if sharded is not None:
         sharded.finish_backward()
+    if masters is not None:
+        masters.after_backward()
+        tracker.assign(masters.grads(), "gradients")
     tracker.assign([p.grad for p in params if p.grad is not None], "gradients")
     tracker.assign([p.grad for p in module.parameters() if p.grad is not None], "gradients")
     tracker.set_phase("optimizer")
+    if masters is not None:
+        masters.before_step()
     if opt is not None:
         opt.step()
         tracker.assign(optimizer_tensors(opt), "optimizer")
-    for p in [*params, *module.parameters()]:
+    if masters is not None:
+        masters.after_step()
+    for p in [*params, *module.parameters(), *(masters.stepped if masters else ())]:
         p.grad = None
 
 
