@@ -13,6 +13,8 @@ True
 
 from .fit import context_length, plan_model, plan_source
 from .options import (
+    parse_ints,
+    parse_size,
     DEFAULT_RESERVE,
     SCHEMA,
     LinearityCheck,
@@ -34,5 +36,7 @@ __all__ = [
     "Smallest",
     "context_length",
     "plan_model",
+    "parse_ints",
+    "parse_size",
     "plan_source",
 ]

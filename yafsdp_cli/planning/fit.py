@@ -50,7 +50,7 @@ def plan_model(loaded, opts: PlanOptions) -> PlanReport:
     ]
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
-    return _report(loaded, opts, seq_len, rows, runner.runs, checks, start)
+    return _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
 
 
 def context_length(module) -> int:
@@ -160,7 +160,9 @@ def best_row(rows) -> PlanRow | None:
     )
 
 
-def _report(loaded, opts: PlanOptions, seq_len, rows, runs, checks, start) -> PlanReport:
+def _report(loaded, opts, seq_len, rows, runner, lines, checks, start) -> PlanReport:
+    runs = runner.runs
+    measured = sorted({ws for line in lines.values() for ws in line.world_sizes})
     cfg = opts.memory_config()
     return PlanReport(
         source=loaded.spec.source,
@@ -181,12 +183,11 @@ def _report(loaded, opts: PlanOptions, seq_len, rows, runs, checks, start) -> Pl
         fake_runs=runs,
         linearity=checks,
         wall_s=time.perf_counter() - start,
-        notes=_notes(opts, rows, runs, checks),
+        notes=_notes(opts, measured, runs, checks),
     )
 
 
-def _notes(opts: PlanOptions, rows, runs, checks) -> tuple[str, ...]:
-    measured = sorted({r.world_size for r in rows if r.measured})
+def _notes(opts: PlanOptions, measured, runs, checks) -> tuple[str, ...]:
     where = ", ".join(map(str, measured))
     notes = [
         "peak per rank = the memory model's persistent bytes at each world size (flat "

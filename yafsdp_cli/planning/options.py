@@ -138,3 +138,50 @@ class PlanReport:
     linearity: tuple[LinearityCheck, ...]
     wall_s: float
     notes: tuple[str, ...]
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``"80GiB"`` -> bytes. K/M/G/T and KiB..TiB are powers of 1024, KB..TB of 1000."""
+    s = text.strip().replace(" ", "").lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value < 0:
+        raise YafsdpError(f"{flag} {text!r} is not a size; write it like 80GiB, 2GiB or 512MiB")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; None stays None."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise YafsdpError(
+            f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,2,4"
+        )
+    return tuple(dict.fromkeys(values))
