@@ -63,6 +63,22 @@ def profile_command(
     input_shape: InputShapeOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
+    param_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--param-dtype",
+            help="bf16 | fp16 | fp32: train in this dtype; 16-bit gets float32 master "
+            "weights and optimizer states (default: the weights' dtype).",
+        ),
+    ] = None,
+    grad_dtype: Annotated[
+        str | None,
+        typer.Option("--grad-dtype", help="fp32: float32 gradients (default: param dtype)."),
+    ] = None,
+    checkpointing: Annotated[
+        str,
+        typer.Option("--checkpointing", help="none | units (activation checkpointing)."),
+    ] = "none",
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,
@@ -101,6 +117,9 @@ def profile_command(
             per_module=per_module,
             depth=depth,
             device=device,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            checkpointing=checkpointing,
         )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar:
             report = profile_source(

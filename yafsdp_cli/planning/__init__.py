@@ -13,8 +13,6 @@ True
 
 from .fit import context_length, plan_model, plan_source
 from .options import (
-    parse_ints,
-    parse_size,
     DEFAULT_RESERVE,
     SCHEMA,
     LinearityCheck,
@@ -23,6 +21,8 @@ from .options import (
     PlanReport,
     PlanRow,
     Smallest,
+    parse_ints,
+    parse_size,
 )
 
 __all__ = [

@@ -13,17 +13,15 @@ converted model runs as rank 0 of that many (``sharded.ShardedFlat`` with
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..engine import dtypes
 from ..engine.flat import convert_module
 from ..engine.idioms import apply_checkpointing
-from ..engine.module_spec import collect_tensors, spec_from_module
+from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
 from ..engine.step import (
@@ -36,6 +34,7 @@ from ..engine.step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from .fake import _fake_errors, _fake_mode, fake_copy
 from .precision import Masters, cast_params, check_training_dtypes
 from .tracker import Breakdown, ModuleMemory, PhaseSeries, StorageTracker
 
@@ -223,45 +222,6 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
     )
 
 
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
-
-
-@contextlib.contextmanager
-def _fake_errors(fake: bool):
-    """Under --fake, an op fake tensors cannot run is one clear error, and torch's
-    fake-tensor logger does not print its traceback first."""
-    if not fake:
-        yield
-        return
-    import logging
-
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    except YafsdpError as exc:
-        cause = exc.__cause__
-        if cause is None:
-            raise
-        raise YafsdpError(_fake_message(cause)) from cause
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-        raise YafsdpError(_fake_message(exc)) from exc
-    finally:
-        log.setLevel(level)
-
-
-def _fake_message(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return (
-        f"--fake: this model does not run on fake tensors ({type(exc).__name__}: {first}); "
-        "profile it without --fake, or on the device its kernels need"
-    )
-
-
 @contextlib.contextmanager
 def _entered(mode):
     if mode is None:
@@ -279,23 +239,6 @@ def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
     if loaded.module is None:
         loaded.build_module()  # raises: profiling needs an architecture
     return fake_copy(loaded.module, loaded.spec, opts.device)
-
-
-def fake_copy(module: nn.Module, spec, device: str) -> nn.Module:
-    """``module`` (meta or real) with every tensor replaced by an empty one of the
-    same shape, in the dtype the weights have; call inside a FakeTensorMode. Ties are
-    kept (one replacement per tensor object)."""
-    by_name = spec.by_name() if spec is not None else {}
-    memo: dict[int, torch.Tensor] = {}
-    for item in collect_tensors(module):
-        t = item.tensor
-        record = by_name.get(item.names[0])
-        dtype = dtypes.to_torch(record.dtype) if record is not None else t.dtype
-        new = torch.empty(t.shape, dtype=dtype, device=device)
-        if item.is_param:
-            new = nn.Parameter(new, requires_grad=t.requires_grad)
-        memo[id(t)] = new
-    return copy.deepcopy(module, memo)
 
 
 def _batch(module: nn.Module, opts: ProfileOptions, fake_mode) -> Batch:
@@ -444,6 +387,14 @@ def _notes(opts: ProfileOptions) -> tuple[str, ...]:
     ]
     if opts.fake:
         notes.append("fake tensors (FakeTensorMode): shapes and dtypes only, no memory used")
+    if opts.param_dtype:
+        notes.append(
+            f"parameters in {opts.param_dtype}; 16-bit ones get float32 masters that the "
+            "optimizer steps on (its states float32), counted as optimizer; gradients in "
+            f"{opts.grad_dtype or opts.param_dtype}"
+        )
+    if opts.checkpointing == "units":
+        notes.append("activation checkpointing (non-reentrant) of every unit, both models")
     if opts.world_size > 1:
         notes.append(
             f"converted: rank 0 of {opts.world_size}; persistent parameters, gradients and "
