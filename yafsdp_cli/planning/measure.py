@@ -14,6 +14,7 @@ world size plus the highest phase of the line at its micro-batch and world size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,19 +34,27 @@ class PhaseLine:
     const: dict[str, float]
     slope: dict[str, float]
     per_rank: dict[str, float] | None = None  # None: measured at one world size
+    # past ``knee``, the segment to the third micro-batch (a phase's peak is the
+    # highest of several moments, so it bends upwards; the chord stays above it)
+    knee: int | None = None
+    upper: tuple[dict[str, float], dict[str, float]] | None = None  # (const, slope)
 
     def at(self, micro_batch: int, world_size: int) -> tuple[str, int, int]:
         """(phase, activations, temporaries) of the highest phase."""
 
+        const, slope = self.const, self.slope
+        if self.upper is not None and self.knee is not None and micro_batch > self.knee:
+            const, slope = self.upper
+
         def temp(p: str) -> float:
             inv = self.per_rank[p] / world_size if self.per_rank else 0.0
-            return self.const[p] + inv
+            return const[p] + inv
 
         phase = max(
-            (p for p in PHASES if p in self.const),
-            key=lambda p: temp(p) + self.slope[p] * micro_batch,
+            (p for p in PHASES if p in const),
+            key=lambda p: temp(p) + slope[p] * micro_batch,
         )
-        return phase, round(self.slope[phase] * micro_batch), round(temp(phase))
+        return phase, round(slope[phase] * micro_batch), round(temp(phase))
 
     def excess(self, micro_batch: int, world_size: int) -> int:
         _, act, temp = self.at(micro_batch, world_size)
@@ -106,12 +115,18 @@ class Runner:
         base = {p: const[p] - per_rank[p] / ws for p in per_rank}
         return PhaseLine((ws, ws2), checkpointing, base, {p: slope[p] for p in base}, per_rank)
 
-    def check(self, line: PhaseLine, micro_batch: int) -> LinearityCheck:
-        """One more run at ``micro_batch``: the line's peak against the measured one."""
+    def check(self, line: PhaseLine, micro_batch: int, knee: int):
+        """One more run at ``micro_batch``: the line's peak against the measured one,
+        and the line with a second segment from ``knee`` to it."""
         ws = line.world_sizes[0]
         measured = self.excess(ws, micro_batch, line.checkpointing)
         base = self.model_total(ws)
-        return LinearityCheck(
+        inv = {p: (line.per_rank[p] / ws if line.per_rank else 0.0) for p in line.const}
+        at_knee = {p: line.const[p] + inv[p] + line.slope[p] * knee for p in line.const}
+        slope = {p: (measured[p] - at_knee[p]) / (micro_batch - knee) for p in at_knee}
+        const = {p: at_knee[p] - inv[p] - slope[p] * knee for p in at_knee}
+        bent = dataclasses.replace(line, knee=knee, upper=(const, slope))
+        return bent, LinearityCheck(
             checkpointing=line.checkpointing,
             world_size=ws,
             micro_batch=micro_batch,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..engine import dtypes
 from ..errors import YafsdpError
 from ..memory import MemoryConfig
+from ..profiling.precision import check_training_dtypes
 
 SCHEMA = "yafsdp.plan/1"
 GiB = 1024**3
@@ -56,6 +57,7 @@ class PlanOptions:
                 )
         if self.seq_len is not None and self.seq_len < 1:
             raise YafsdpError(f"--seq-len must be at least 1, got {self.seq_len}")
+        check_training_dtypes(self.param_dtype, self.grad_dtype)
         if self.param_dtype is not None:
             object.__setattr__(self, "param_dtype", dtypes.canonical(self.param_dtype))
 

@@ -31,13 +31,18 @@ def check_training_dtypes(param_dtype: str | None, grad_dtype: str | None) -> No
 
 
 def cast_params(module: nn.Module, param_dtype: str | None) -> None:
-    """Every floating-point parameter in ``param_dtype`` (buffers unchanged)."""
+    """Every floating-point parameter and buffer in ``param_dtype``, as
+    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype)."""
     if not param_dtype:
         return
     target = dtypes.to_torch(dtypes.canonical(param_dtype))
     for p in module.parameters():  # one per tensor: tied owners share the cast
         if p.is_floating_point() and p.dtype != target:
             p.data = p.data.to(target)
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != target:
+                mod._buffers[name] = b.to(target)
 
 
 class Masters:
