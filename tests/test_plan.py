@@ -170,3 +170,24 @@ def test_sizes_and_lists_parse():
     assert parse_ints("1,2,2,4", "--world-size") == (1, 2, 4)
     with pytest.raises(YafsdpError, match="not a size"):
         parse_size("-1GiB", "--gpu-memory")
+
+
+def test_check_takes_a_plan_baseline(tmp_path):
+    args = ["--model", "sample_models.models:gpt", "--gpu-memory", "1500KiB", "--reserve", "0"]
+    grid = ["--world-size", "2,4", "--micro-batch", "1,2", "--seq-len", "16", "--json"]
+    made = runner.invoke(app, ["plan", *args, *grid])
+    assert made.exit_code == 0, made.output
+    baseline = tmp_path / "plan.json"
+    baseline.write_text(made.stdout)
+    same = runner.invoke(app, ["check", "--baseline", str(baseline)])
+    assert same.exit_code == 0, same.output
+    assert "still fits" in same.stdout
+    # the same plan on a smaller GPU: what fitted at 1500 KiB and not at 1100 KiB fails
+    doc = json.loads(made.stdout)
+    doc["options"]["gpu_memory"] = 1100 * 1024
+    lost = [r for r in doc["rows"] if r["fits"] and r["needed_bytes"] > 1100 * 1024]
+    assert lost
+    baseline.write_text(json.dumps(doc))
+    worse = runner.invoke(app, ["check", "--baseline", str(baseline)])
+    assert worse.exit_code == 1, worse.output
+    assert worse.stdout.count("regression:") == len(lost)

@@ -83,12 +83,22 @@ def check_command(
     }
     with errors_to_exit():
         check_html_path(html, source, baseline)
+        from ..errors import YafsdpError
         from ..gate.check import baseline_inputs, compare, load_baseline
         from ..inspect.build import inspect_model
         from ..report import inspect as inspect_view
         from ..sources import load_source
 
         doc = load_baseline(baseline) if (not update or baseline.is_file()) else {}
+        if doc.get("schema") == "yafsdp.plan/1":
+            from .plan_cmd import check_plan
+
+            if update:
+                raise YafsdpError(
+                    "a plan baseline is written by `yafsdp plan --json`, not --update"
+                )
+            check_plan(doc, trust_pickle)
+            return
         recorded = doc.get("inputs", {})
         inputs = baseline_inputs(doc, overrides)
         source = source or recorded.get("source")

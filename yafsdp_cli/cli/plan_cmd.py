@@ -118,3 +118,25 @@ def plan_command(
         else:
             for renderable in view.to_rich(report):
                 stdout.print(renderable)
+
+
+def check_plan(doc: dict, trust_pickle: bool) -> None:
+    """``check --baseline PLAN.json``: plan again with the recorded options; exit 1 if
+    a configuration that fitted no longer does."""
+    import json
+
+    from ..gate.check import plan_regressions
+    from ..planning import PlanOptions, plan_source
+    from ..report import plan as view
+
+    recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in doc["options"].items()}
+    opts = PlanOptions(**recorded)
+    report = plan_source(
+        doc.get("source_path"), model=doc.get("model"), trust_pickle=trust_pickle, opts=opts
+    )
+    lost = plan_regressions(doc, json.loads(view.to_json(report)))
+    for line in lost:
+        stdout.print(f"regression: {line}", markup=False, highlight=False)
+    if lost:
+        raise typer.Exit(1)
+    stdout.print(f"ok: every configuration that fitted still fits ({len(report.rows)} checked)")

@@ -1,6 +1,8 @@
 """``check``: the CI memory-regression gate.
 
-A baseline is a saved ``yafsdp inspect --json`` document (``check --update`` writes
+A baseline is a saved ``yafsdp plan --json`` document (``plan_regressions``: a
+configuration that fitted and no longer fits is a regression) or a saved
+``yafsdp inspect --json`` document (``check --update`` writes
 one). ``check`` re-inspects the model with the inputs the baseline records (any
 option given on the command line overrides them) and compares a few per-rank
 figures; a figure that grew by more than the tolerance is a regression (exit 1).
@@ -23,6 +25,7 @@ from ..errors import YafsdpError
 
 SCHEMA = "yafsdp.check/1"
 BASELINE_SCHEMA = "yafsdp.inspect/1"
+PLAN_SCHEMA = "yafsdp.plan/1"
 
 # (name, unit, how to read it from an inspect document)
 METRICS: tuple[tuple[str, str, Any], ...] = (
@@ -92,6 +95,10 @@ def load_baseline(path: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise YafsdpError(f"baseline {path} is not valid JSON ({exc})") from None
+    if isinstance(doc, dict) and doc.get("schema") == PLAN_SCHEMA:
+        if not isinstance(doc.get("options"), dict) or not isinstance(doc.get("rows"), list):
+            raise YafsdpError(f"baseline {path} lacks its plan options or rows; run plan again")
+        return doc
     if not isinstance(doc, dict) or doc.get("schema") != BASELINE_SCHEMA:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise YafsdpError(
@@ -145,3 +152,24 @@ def compare(
         metrics=tuple(metrics),
         inputs=dict(inputs),
     )
+
+
+def plan_regressions(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
+    """Each configuration that fitted in ``baseline`` and does not in ``current`` (two
+    ``yafsdp.plan/1`` documents), as a sentence naming it and both peaks."""
+
+    def key(row: Mapping[str, Any]) -> tuple:
+        return (row["world_size"], row["micro_batch"], row["seq_len"], row["checkpointing"])
+
+    now = {key(r): r for r in current["rows"]}
+    out = []
+    for row in baseline["rows"]:
+        new = now.get(key(row))
+        if row["fits"] and new is not None and not new["fits"]:
+            ws, mb, seq, ck = key(row)
+            out.append(
+                f"world size {ws}, micro-batch {mb} x {seq} tokens, checkpointing {ck}: "
+                f"fitted ({row['needed_bytes']} B), now needs {new['needed_bytes']} B "
+                f"of {current['gpu_memory_bytes']} B"
+            )
+    return tuple(out)

@@ -29,7 +29,9 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block
 
 def plan_source(source, *, model=None, trust_pickle=False, opts: PlanOptions) -> PlanReport:
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-    return plan_model(loaded, opts)
+    report = plan_model(loaded, opts)
+    path = None if source is None else str(source)
+    return dataclasses.replace(report, source_path=path, model=model, options=opts)
 
 
 def plan_model(loaded, opts: PlanOptions) -> PlanReport:

@@ -140,6 +140,9 @@ class PlanReport:
     linearity: tuple[LinearityCheck, ...]
     wall_s: float
     notes: tuple[str, ...]
+    source_path: str | None = None  # what was given, so `check` can plan it again
+    model: str | None = None
+    options: PlanOptions | None = None
 
 
 _SIZE_UNITS = {
