@@ -24,10 +24,11 @@ RANKS = {
     "inspect": 5,
     "verify": 5,
     "profiling": 5,
+    "planning": 6,
     "checkpoint": 5,
-    "gate": 6,
-    "report": 7,
-    "cli": 8,
+    "gate": 7,
+    "report": 8,
+    "cli": 9,
 }
 UI_LIBRARIES = ("rich", "typer")
 UI_ROOMS = ("report", "cli")

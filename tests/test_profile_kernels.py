@@ -225,6 +225,24 @@ def test_cuda_target_rounds_and_names_its_kernels():
     assert a <= b <= a + 512 * 200
 
 
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_cuda_target_recomputes_checkpointed_units_with_cuda_kernels(mode):
+    """A checkpointed unit recomputes its forward inside backward; the recompute must
+    take CUDA's attention too (torch calls a function mode with itself off the stack
+    while it handles ``loss.backward()``, so it is called past that), else the
+    non-reentrant checkpoint sees other tensors saved and fails, and the reentrant
+    one silently recomputes the CPU's attention."""
+    loaded = lambda: load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")  # noqa: E731
+    plain = profile_model(loaded(), ProfileOptions(fake=True, batch=1, seq_len=64, target="cuda"))
+    ckpt = profile_model(
+        loaded(),
+        ProfileOptions(fake=True, batch=1, seq_len=64, target="cuda", checkpointing=mode),
+    )
+    assert plain.kernels == {"efficient": 4}
+    assert ckpt.kernels == {"efficient": 8}  # each block's attention again in backward
+    assert ckpt.original.phase_peaks["forward"] < plain.original.phase_peaks["forward"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -7,7 +7,7 @@ usage or unusable input). Only this package imports Typer and Rich.
 
 from __future__ import annotations
 
-from . import check_cmd, convert_cmd, inspect_cmd, profile_cmd, verify_cmd  # noqa: F401
+from . import check_cmd, convert_cmd, inspect_cmd, plan_cmd, profile_cmd, verify_cmd  # noqa: F401
 from .app import app
 
 

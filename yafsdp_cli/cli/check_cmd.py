@@ -120,7 +120,20 @@ def check_command(
     with errors_to_exit():
         check_html_path(html, source, baseline)
         from ..engine.idioms import check_checkpointing
+        from ..gate.baseline import plan_baseline
         from ..gate.run import CheckRequest, run_check
+
+        plan_doc = plan_baseline(baseline)
+        if plan_doc is not None:
+            from ..errors import YafsdpError
+            from .plan_cmd import check_plan
+
+            if update:
+                raise YafsdpError(
+                    "a plan baseline is written by `yafsdp plan --json`, not --update"
+                )
+            check_plan(plan_doc, trust_pickle)
+            return
 
         if checkpointing is not None:
             check_checkpointing(checkpointing)

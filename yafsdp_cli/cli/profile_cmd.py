@@ -87,6 +87,18 @@ def profile_command(
             help="Break the peak's activations down by the modules that made them: top N.",
         ),
     ] = 0,
+    param_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--param-dtype",
+            help="bf16 | fp16 | fp32: train in this dtype; 16-bit gets float32 master "
+            "weights and optimizer states (default: the weights' dtype).",
+        ),
+    ] = None,
+    grad_dtype: Annotated[
+        str | None,
+        typer.Option("--grad-dtype", help="fp32: float32 gradients (default: param dtype)."),
+    ] = None,
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,
@@ -127,6 +139,8 @@ def profile_command(
             modules=modules,
             device=device,
             target=target,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
             checkpointing=checkpointing,
         )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar:

@@ -11,7 +11,9 @@ A baseline (``yafsdp.baseline/2``) records
   (``StepFigures``), else ``None`` with the reason in ``skipped``.
 
 A ``yafsdp.inspect/1`` document (what ``check --update`` wrote before) is still a
-baseline: its memory figures are checked and the step is reported as skipped.
+baseline: its memory figures are checked and the step is reported as skipped. A
+saved ``yafsdp plan --json`` document (``yafsdp.plan/1``) is a baseline of another
+kind (``plan_baseline``): plan runs again and a configuration that fitted must fit.
 Nothing here imports torch.
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 from ..errors import YafsdpError
 
 SCHEMA = "yafsdp.baseline/2"
+PLAN_SCHEMA = "yafsdp.plan/1"
 LEGACY_SCHEMA = "yafsdp.inspect/1"
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer")
@@ -141,6 +144,20 @@ def write_baseline(path: Path, baseline: Baseline) -> None:
 
 
 # -------------------------------------------------------------------- reading
+
+
+def plan_baseline(path: Path) -> dict[str, Any] | None:
+    """The ``yafsdp.plan/1`` document at ``path``, checked; ``None`` if the file is
+    missing or holds anything else (``load_baseline`` then says what is wrong)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != PLAN_SCHEMA:
+        return None
+    if not isinstance(doc.get("options"), dict) or not isinstance(doc.get("rows"), list):
+        raise YafsdpError(f"baseline {path} lacks its plan options or rows; run plan again")
+    return doc
 
 
 def load_baseline(path: Path) -> Baseline:

@@ -18,6 +18,9 @@ and is not is one at any tolerance. Activations that grew are explained by the
 modules whose saved-for-backward bytes grew (``explain``). Per-module figures are
 shown, not gated on their own: moving work from one module to another changes
 them without changing what the step needs.
+
+A plan baseline (a saved ``yafsdp plan --json``) is compared by ``plan_regressions``:
+a configuration that fitted and no longer fits is a regression.
 """
 
 from __future__ import annotations
@@ -230,3 +233,24 @@ def baseline_inputs(recorded: Mapping[str, Any], overrides: Mapping[str, Any]) -
         kwargs[key] = tuple(kwargs.get(key) or ())
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return kwargs
+
+
+def plan_regressions(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
+    """Each configuration that fitted in ``baseline`` and does not in ``current`` (two
+    ``yafsdp.plan/1`` documents), as a sentence naming it and both peaks."""
+
+    def key(row: Mapping[str, Any]) -> tuple:
+        return (row["world_size"], row["micro_batch"], row["seq_len"], row["checkpointing"])
+
+    now = {key(r): r for r in current["rows"]}
+    out = []
+    for row in baseline["rows"]:
+        new = now.get(key(row))
+        if row["fits"] and new is not None and not new["fits"]:
+            ws, mb, seq, ck = key(row)
+            out.append(
+                f"world size {ws}, micro-batch {mb} x {seq} tokens, checkpointing {ck}: "
+                f"fitted ({row['needed_bytes']} B), now needs {new['needed_bytes']} B "
+                f"of {current['gpu_memory_bytes']} B"
+            )
+    return tuple(out)

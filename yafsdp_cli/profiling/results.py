@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..engine.idioms import check_checkpointing
 from ..engine.step import check_optimizer
 from ..errors import YafsdpError
+from .precision import check_training_dtypes
 from .tracker import Breakdown, ModuleMemory, PhaseSeries
 
 SCHEMA = "yafsdp.profile/1"
@@ -33,6 +34,9 @@ class ProfileOptions:
     device: str = "cpu"
     target: str | None = None  # whose kernels are accounted; None: the device's
     checkpointing: str = "none"  # none | reentrant | non-reentrant, per unit
+    param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
+    grad_dtype: str | None = None  # None: the parameter's dtype
+    round_bytes: int | None = None  # None: 512 for CUDA's kernels (the caching allocator), else 1
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer, self.optimizer_impl)
@@ -47,6 +51,9 @@ class ProfileOptions:
         if self.target is not None and self.target not in DEVICES:
             raise YafsdpError(f"--target {self.target!r} is not cpu or cuda")
         check_checkpointing(self.checkpointing)
+        check_training_dtypes(self.param_dtype, self.grad_dtype)
+        if self.round_bytes is not None and self.round_bytes < 1:
+            raise YafsdpError(f"--round-bytes must be at least 1, got {self.round_bytes}")
 
     @property
     def kernels(self) -> str:

@@ -36,6 +36,7 @@ from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .kernels import CudaAttention
 from .modules import module_names, peak_shares, tracking_modules
 from .positions import index_errors
+from .precision import Masters, cast_params
 from .results import CudaMemory, ProfileOptions, ProfileReport, StepProfile
 from .tracker import StorageTracker
 
@@ -74,20 +75,52 @@ def _check_target(opts: ProfileOptions) -> None:
         )
 
 
+def profile_converted(loaded, opts: ProfileOptions) -> StepProfile:
+    """The converted model's step alone (what ``plan`` measures), no original step."""
+    _check_target(opts)
+    fake_mode = make_fake_mode() if opts.fake else None
+    with fake_errors(opts.fake):
+        with entered(fake_mode):
+            module, layout, _ = _prepared(loaded, opts, fake_mode)
+        batch = _batch(module, opts)
+        attention = CudaAttention() if _substitutes_cuda(opts) else None
+        step_mode = FakeStep() if fake_mode is not None else None
+        with entered(fake_mode, step_mode, attention), index_errors(module, opts):
+            return _converted(module, layout, batch, opts)
+
+
+def _prepared(loaded, opts: ProfileOptions, fake_mode):
+    """The module in its training dtype with its layout, units checkpointed if asked
+    (on this one model: it is converted in place, never copied), and how it was
+    checkpointed, in words."""
+    module = build_module(loaded, opts, fake_mode)
+    cast_params(module, opts.param_dtype)
+    module.train()
+    layout = plan(
+        spec_from_module(module),
+        filters=opts.filters,
+        excludes=opts.excludes,
+        units=opts.units,
+        world_size=opts.world_size,
+        align=opts.align,
+    )
+    ckpt_note = apply_checkpointing(module, opts.checkpointing, layout.units)
+    return module, layout, ckpt_note
+
+
+def _converted(module, layout, batch, opts: ProfileOptions) -> StepProfile:
+    flat = convert_module(module, layout)
+    sharded = None
+    if opts.world_size > 1:
+        sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
+    params = sharded.parameters() if sharded else flat.parameters()
+    return _profile_step("converted", module, params, batch, opts, sharded)
+
+
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
     progress(STAGES[0], 0, len(STAGES))
     with entered(fake_mode):
-        module = build_module(loaded, opts, fake_mode)
-        module.train()
-        layout = plan(
-            spec_from_module(module),
-            filters=opts.filters,
-            excludes=opts.excludes,
-            units=opts.units,
-            world_size=opts.world_size,
-            align=opts.align,
-        )
-        ckpt_note = apply_checkpointing(module, opts.checkpointing, layout.units)
+        module, layout, ckpt_note = _prepared(loaded, opts, fake_mode)
     batch = _batch(module, opts)
     attention = CudaAttention() if _substitutes_cuda(opts) else None
     step_mode = FakeStep() if fake_mode is not None else None
@@ -95,13 +128,8 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
         progress(STAGES[1], 1, len(STAGES))
         original = _profile_step("original", module, list(module.parameters()), batch, opts)
         progress(STAGES[2], 2, len(STAGES))
-        flat = convert_module(module, layout)
-        sharded = None
-        if opts.world_size > 1:
-            sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
-        params = sharded.parameters() if sharded else flat.parameters()
         progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step("converted", module, params, batch, opts, sharded)
+        converted = _converted(module, layout, batch, opts)
     progress("done", len(STAGES), len(STAGES))
     kernels = dict(attention.used) if attention else {}
     return ProfileReport(
@@ -130,6 +158,8 @@ def _substitutes_cuda(opts: ProfileOptions) -> bool:
 
 
 def _rounding(opts: ProfileOptions) -> int:
+    if opts.round_bytes is not None:
+        return opts.round_bytes
     return CUDA_ROUND if opts.kernels == "cuda" else 1
 
 
@@ -177,10 +207,14 @@ def _warm_up(opt, params: list[nn.Parameter]) -> None:
 
 
 def _profile_step(variant, module, params, batch, opts, sharded=None) -> StepProfile:
-    opt = make_optimizer(opts.optimizer, params, _optimizer_impl(opts))
-    _warm_up(opt, params)
+    masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
+    stepped = masters.stepped if masters else params
+    opt = make_optimizer(opts.optimizer, stepped, _optimizer_impl(opts))
+    _warm_up(opt, stepped)
     tracker = StorageTracker(_rounding(opts))
     _assign_roles(tracker, module, params, opt, batch)
+    if masters is not None:
+        tracker.assign(masters.masters(), "optimizer")  # float32 masters: optimizer-owned
     if sharded is not None:
         sharded.on_grad_buffer = lambda g: tracker.assign(g, "gradients")
     names = module_names(module, opts)
@@ -188,7 +222,7 @@ def _profile_step(variant, module, params, batch, opts, sharded=None) -> StepPro
     cuda_before = _cuda_reset(opts.device)
     start = time.perf_counter()
     with tracker, tracking_modules(tracker, names):
-        _tracked_step(tracker, module, params, batch, opt, opts, sharded)
+        _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
     wall = time.perf_counter() - start
     timeline = tracker.replay(rows)
     return StepProfile(
@@ -218,23 +252,47 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
     tracker.assign(batch.tensors(), "activations")
 
 
-def _tracked_step(tracker, module, params, batch, opt, opts, sharded) -> None:
+def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -> None:
     tracker.set_phase("forward")
     torch.manual_seed(opts.seed)
     loss = step_loss(run_forward(module, batch), opts.seed)
     tracker.set_phase("backward")
-    loss.backward()
+    _backward(loss)
     del loss
     if sharded is not None:
         sharded.finish_backward()
+    if masters is not None:
+        masters.after_backward()
+        tracker.assign(masters.grads(), "gradients")
     tracker.assign([p.grad for p in params if p.grad is not None], "gradients")
     tracker.assign([p.grad for p in module.parameters() if p.grad is not None], "gradients")
     tracker.set_phase("optimizer")
+    if masters is not None:
+        masters.before_step()
     if opt is not None:
         opt.step()
         tracker.assign(optimizer_tensors(opt), "optimizer")
-    for p in [*params, *module.parameters()]:
+    if masters is not None:
+        masters.after_step()
+    for p in [*params, *module.parameters(), *(masters.stepped if masters else ())]:
         p.grad = None
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with the step's function mode (``CudaAttention``) still on.
+
+    ``Tensor.backward`` and ``torch.autograd.backward`` go through
+    ``__torch_function__``, and a ``TorchFunctionMode`` handles a call with itself off
+    the stack for the call's length; checkpointed units recompute their forward inside
+    backward, so they would recompute with the CPU's attention (and a non-reentrant
+    checkpoint then finds other tensors saved than in the forward, and fails). So the
+    autograd engine is called the way ``torch.autograd.backward`` calls it."""
+    from torch.autograd.graph import _engine_run_backward
+
+    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    _engine_run_backward(
+        (loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def _cuda_reset(device: str):
@@ -271,6 +329,12 @@ def _notes(opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int]) -> tup
             f"({used}; sm80+, default backend order), storages rounded to 512 B as CUDA's "
             "caching allocator does, the optimizer's CUDA default (foreach); kernel "
             "workspaces are not counted (see the README)"
+        )
+    if opts.param_dtype:
+        notes.append(
+            f"parameters in {opts.param_dtype}; 16-bit ones get float32 masters that the "
+            "optimizer steps on (its states float32), counted as optimizer; gradients in "
+            f"{opts.grad_dtype or opts.param_dtype}"
         )
     if ckpt_note:
         notes.append(f"activation checkpointing: {ckpt_note}")

@@ -1,0 +1,42 @@
+"""``yafsdp plan``: will training fit, and on how many GPUs?
+
+The room above ``profiling``: it combines the memory model (``memory``) with fake
+runs of the converted model's step (``profiling``) into a grid of world size x
+micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
+
+>>> from yafsdp_cli.planning import PlanOptions, plan_source
+>>> report = plan_source(None, model="sample_models.models:gpt",
+...                      opts=PlanOptions(gpu_memory=2**30))  # doctest: +SKIP
+>>> report.best.fits  # doctest: +SKIP
+True
+"""
+
+from .fit import context_length, plan_model, plan_source
+from .options import (
+    DEFAULT_RESERVE,
+    SCHEMA,
+    LinearityCheck,
+    PlanBreakdown,
+    PlanOptions,
+    PlanReport,
+    PlanRow,
+    Smallest,
+    parse_ints,
+    parse_size,
+)
+
+__all__ = [
+    "DEFAULT_RESERVE",
+    "SCHEMA",
+    "LinearityCheck",
+    "PlanBreakdown",
+    "PlanOptions",
+    "PlanReport",
+    "PlanRow",
+    "Smallest",
+    "context_length",
+    "plan_model",
+    "parse_ints",
+    "parse_size",
+    "plan_source",
+]

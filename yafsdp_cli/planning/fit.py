@@ -1,0 +1,245 @@
+"""``plan_source``: peak per rank over a grid of world size, micro-batch and
+activation checkpointing, and whether each fits a GPU.
+
+The persistent bytes of each world size come from the memory model (flat
+scheme: shards of parameters, gradients, optimizer states and master weights,
+replicated buffers, the all-gather and gradient buffers of the largest unit); the
+step's own bytes (activations, temporaries) from as few fake runs as the grid
+allows (``measure``): two micro-batches per checkpointing choice at one world size
+(the smallest above 1 whose persistent bytes fit), the same at world size 1 when it
+is in the grid and could fit, and a third micro-batch to check the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import cache
+
+from ..engine.plan import plan
+from ..inspect.build import retype_params
+from ..memory import estimate_memory
+from ..sources import load_source
+from .measure import PhaseLine, Runner
+from .options import MAX_WORLD_SIZE, PlanBreakdown, PlanOptions, PlanReport, PlanRow, Smallest
+
+DEFAULT_SEQ_LEN = 2048
+_CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
+
+
+def plan_source(source, *, model=None, trust_pickle=False, opts: PlanOptions) -> PlanReport:
+    loaded = load_source(source, model=model, trust_pickle=trust_pickle)
+    report = plan_model(loaded, opts)
+    path = None if source is None else str(source)
+    return dataclasses.replace(report, source_path=path, model=model, options=opts)
+
+
+def plan_model(loaded, opts: PlanOptions) -> PlanReport:
+    """The plan of ``loaded`` (``sources.load_source``); see the module docstring."""
+    start = time.perf_counter()
+    if loaded.module is None:
+        loaded.build_module()  # raises: measuring activations needs an architecture
+    seq_len = opts.seq_len or context_length(loaded.module)
+    opts, dropped = _without_missing_units(loaded, opts)
+    memory = _memory_model(loaded, opts)
+    sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
+    usable = opts.gpu_memory - opts.reserve
+    runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total)
+    lines, checks = _measure(runner, opts, sizes, usable, lambda ws: memory(ws).total)
+    rows = [
+        _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), opts)
+        for ws in sizes
+        for ck in opts.checkpointing
+        for mb in opts.micro_batches
+    ]
+    if opts.world_sizes is None:
+        rows = _up_to_enough(rows)
+    report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
+    return dataclasses.replace(report, notes=(*dropped, *report.notes))
+
+
+def context_length(module) -> int:
+    """The model's own context length where its config names one, else 2048."""
+    config = getattr(module, "config", None)
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_SEQ_LEN
+
+
+def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tuple[str, ...]]:
+    """A model with no repeated blocks has nothing to checkpoint: plan without it
+    (an error when checkpointing was the only choice)."""
+    kept = tuple(c for c in opts.checkpointing if c == "none")
+    if not kept or kept == tuple(opts.checkpointing):
+        return opts, ()
+    layout = plan(loaded.spec, filters=opts.filters, excludes=opts.excludes, units=opts.units)
+    if any(layout.units):
+        return opts, ()
+    dropped = ", ".join(c for c in opts.checkpointing if c != "none")
+    note = (
+        f"checkpointing {dropped} left out: the model has no repeated blocks to checkpoint "
+        "(name them with --unit)"
+    )
+    return dataclasses.replace(opts, checkpointing=kept), (note,)
+
+
+def _memory_model(loaded, opts: PlanOptions):
+    spec = retype_params(loaded.spec, opts.param_dtype)
+    cfg = opts.memory_config()
+
+    @cache
+    def flat_bytes(world_size: int):
+        layout = plan(
+            spec,
+            filters=opts.filters,
+            excludes=opts.excludes,
+            units=opts.units,
+            world_size=world_size,
+            align=opts.align,
+        )
+        return estimate_memory(layout, cfg).flat
+
+    return flat_bytes
+
+
+def _measure(runner: Runner, opts: PlanOptions, sizes, usable: int, total):
+    """Lines per (checkpointing, measured world size) and the linearity checks."""
+    above_one = [ws for ws in sizes if ws > 1]
+    fitting = [ws for ws in above_one if total(ws) <= usable]
+    ref = min(fitting) if fitting else (max(above_one) if above_one else None)
+    ref2 = max(above_one) if above_one and max(above_one) != ref else None
+    regimes = [ref] if ref is not None else []
+    if 1 in sizes and (ref is None or total(1) <= usable):
+        regimes.append(1)
+    lines: dict[tuple[str, int], PhaseLine] = {}
+    checks = []
+    points = sorted(set(opts.micro_batches))
+    third = points[2:]
+    for ck in opts.checkpointing:
+        for ws in regimes:
+            lines[(ck, ws)] = runner.line(ws, ck, opts.micro_batches, ref2 if ws > 1 else None)
+        if third:
+            key = (ck, regimes[0])
+            lines[key], check = runner.check(lines[key], third[-1], points[1])
+            checks.append(check)
+    return lines, tuple(checks)
+
+
+def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
+    own = lines.get((checkpointing, world_size))
+    if own is not None:
+        return own
+    others = [line for (ck, ws), line in lines.items() if ck == checkpointing and ws > 1]
+    return others[0] if others else lines[(checkpointing, 1)]
+
+
+def _row(ws, mb, ck, seq_len, m, line: PhaseLine, opts: PlanOptions) -> PlanRow:
+    phase, act, temp = line.at(mb, ws)
+    breakdown = PlanBreakdown(
+        m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
+    )
+    peak = m.total + act + temp
+    return PlanRow(
+        world_size=ws,
+        micro_batch=mb,
+        seq_len=seq_len,
+        checkpointing=ck,
+        peak_bytes=peak,
+        needed_bytes=peak + opts.reserve,
+        breakdown=breakdown,
+        peak_phase=phase,
+        fits=peak + opts.reserve <= opts.gpu_memory,
+        measured=ws in line.world_sizes,
+    )
+
+
+def _up_to_enough(rows: list[PlanRow]) -> list[PlanRow]:
+    """Default grid: world sizes up to the first where every configuration fits."""
+    for ws in sorted({r.world_size for r in rows}):
+        if all(r.fits for r in rows if r.world_size == ws):
+            return [r for r in rows if r.world_size <= ws]
+    return rows
+
+
+def smallest_fitting(rows) -> tuple[Smallest, ...]:
+    keys = list(dict.fromkeys((r.micro_batch, r.checkpointing) for r in rows))
+    out = []
+    for mb, ck in keys:
+        fit = [
+            r.world_size for r in rows if (r.micro_batch, r.checkpointing) == (mb, ck) and r.fits
+        ]
+        out.append(Smallest(mb, ck, min(fit) if fit else None))
+    return tuple(out)
+
+
+def best_row(rows) -> PlanRow | None:
+    """Most tokens per rank that fit; then no recomputation; then the fewest GPUs."""
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None
+    return min(
+        fitting,
+        key=lambda r: (-r.micro_batch * r.seq_len, r.checkpointing != "none", r.world_size),
+    )
+
+
+def _report(loaded, opts, seq_len, rows, runner, lines, checks, start) -> PlanReport:
+    runs = runner.runs
+    measured = sorted({ws for line in lines.values() for ws in line.world_sizes})
+    cfg = opts.memory_config()
+    return PlanReport(
+        source=loaded.spec.source,
+        gpu_memory_bytes=opts.gpu_memory,
+        reserve_bytes=opts.reserve,
+        round_bytes=opts.round_bytes,
+        seq_len=seq_len,
+        param_dtype=opts.param_dtype or "as stored",
+        grad_dtype=cfg.grad_dtype or "the parameters' dtype",
+        optimizer=opts.optimizer,
+        optimizer_impl=opts.optimizer_impl,
+        world_sizes=tuple(dict.fromkeys(r.world_size for r in rows)),
+        micro_batches=tuple(opts.micro_batches),
+        checkpointing=tuple(opts.checkpointing),
+        rows=tuple(rows),
+        smallest=smallest_fitting(rows),
+        best=best_row(rows),
+        fake_runs=runs,
+        linearity=checks,
+        wall_s=time.perf_counter() - start,
+        notes=_notes(opts, measured, runs, checks),
+    )
+
+
+def _notes(opts: PlanOptions, measured, runs, checks) -> tuple[str, ...]:
+    where = ", ".join(map(str, measured))
+    notes = [
+        "peak per rank = the memory model's persistent bytes at each world size (flat "
+        "scheme: shards, master weights, buffers, 2 all-gather and 2 gradient buffers of "
+        "the largest unit) + activations and temporaries of the converted model's step "
+        f"measured under FakeTensorMode at world sizes {where}",
+        f"{runs} fake runs: activations grow linearly with micro-batch x sequence, so two "
+        "micro-batches are measured per checkpointing choice and the line gives the others; "
+        "one run at a second world size gives the part that scales with 1/world size "
+        "(unreduced gradients at the peak, optimizer temporaries)",
+        f"fits: peak + reserve ({opts.reserve} B, CUDA context and NCCL) <= GPU memory; "
+        f"every allocation rounded up to {opts.round_bytes} B (CUDA caching allocator); "
+        "fragmentation beyond that is not counted",
+        "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
+        "(transformers' own activation_checkpointing_enable where the model has it)",
+        f"kernels: {opts.target}'s"
+        + (
+            " (attention as CUDA's sdpa kernels save it, the optimizer's foreach default)"
+            if opts.target == "cuda"
+            else ""
+        ),
+    ]
+    second = sorted(set(opts.micro_batches))[1] if len(set(opts.micro_batches)) > 1 else 0
+    for c in checks:
+        notes.append(
+            f"linearity check ({c.checkpointing}, world size {c.world_size}, micro-batch "
+            f"{c.micro_batch}): line {c.predicted_bytes} B, measured {c.measured_bytes} B, "
+            f"{100 * c.error:.2f}% apart; micro-batches above {second} use the chord to it"
+        )
+    return tuple(notes)

@@ -1,0 +1,140 @@
+"""The fake runs behind a plan, and the straight lines fitted through them.
+
+A step's peak is the persistent bytes (the memory model's, exact per rank) plus what
+the step makes: activations, which grow with micro-batch x sequence, and
+temporaries. For one world size and checkpointing choice, each phase's peak minus
+the model's bytes is measured under FakeTensorMode at two micro-batches and fitted
+as ``const + slope * micro_batch``; one more run at a second world size (one
+micro-batch: activations do not depend on the world size) makes the constant
+``const + per_rank / world_size``, for what is a shard's size (gradients not yet
+reduced at the peak, optimizer temporaries); a third micro-batch, where the grid has
+one, checks that the line holds. The plan's cell is the model's bytes at its own
+world size plus the highest phase of the line at its micro-batch and world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..profiling import ProfileOptions
+from ..profiling.run import profile_converted
+from .options import LinearityCheck, PlanOptions
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseLine:
+    """Per phase, the step's bytes beyond the model's: ``const + slope * micro_batch``."""
+
+    world_sizes: tuple[int, ...]  # where it was measured
+    checkpointing: str
+    const: dict[str, float]
+    slope: dict[str, float]
+    per_rank: dict[str, float] | None = None  # None: measured at one world size
+    # past ``knee``, the segment to the third micro-batch (a phase's peak is the
+    # highest of several moments, so it bends upwards; the chord stays above it)
+    knee: int | None = None
+    upper: tuple[dict[str, float], dict[str, float]] | None = None  # (const, slope)
+
+    def at(self, micro_batch: int, world_size: int) -> tuple[str, int, int]:
+        """(phase, activations, temporaries) of the highest phase."""
+
+        const, slope = self.const, self.slope
+        if self.upper is not None and self.knee is not None and micro_batch > self.knee:
+            const, slope = self.upper
+
+        def temp(p: str) -> float:
+            inv = self.per_rank[p] / world_size if self.per_rank else 0.0
+            return const[p] + inv
+
+        phase = max(
+            (p for p in PHASES if p in const),
+            key=lambda p: temp(p) + slope[p] * micro_batch,
+        )
+        return phase, round(slope[phase] * micro_batch), round(temp(phase))
+
+    def excess(self, micro_batch: int, world_size: int) -> int:
+        _, act, temp = self.at(micro_batch, world_size)
+        return act + temp
+
+
+class Runner:
+    """Runs fake steps of the converted model, counting them."""
+
+    def __init__(self, loaded, opts: PlanOptions, seq_len: int, model_total: Callable):
+        self.loaded, self.opts, self.seq_len = loaded, opts, seq_len
+        self.model_total = model_total  # world size -> the memory model's bytes
+        self.runs = 0
+
+    def excess(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
+        """Each phase's measured peak minus the model's bytes at ``world_size``."""
+        o = self.opts
+        step = profile_converted(
+            self.loaded,
+            ProfileOptions(
+                optimizer=o.optimizer,
+                optimizer_impl=o.optimizer_impl,
+                filters=o.filters,
+                excludes=o.excludes,
+                units=o.units,
+                world_size=world_size,
+                align=o.align,
+                batch=micro_batch,
+                seq_len=self.seq_len,
+                seed=o.seed,
+                fake=True,
+                param_dtype=o.param_dtype,
+                grad_dtype=o.grad_dtype,
+                checkpointing=checkpointing,
+                round_bytes=o.round_bytes,
+                target=o.target,
+            ),
+        )
+        self.runs += 1
+        base = self.model_total(world_size)
+        return {p: step.phase_peaks[p] - base for p in PHASES if p in step.phase_peaks}
+
+    def line(self, ws: int, checkpointing: str, micro_batches, ws2: int | None) -> PhaseLine:
+        """Two runs at ``ws`` (one if the grid has one micro-batch), fitted per
+        phase, and one at ``ws2`` (if given) for the per-rank part."""
+        points = sorted(set(micro_batches))[:2]
+        measured = [self.excess(ws, mb, checkpointing) for mb in points]
+        if len(points) == 1:  # one point: proportional through zero, exact there
+            slope = _slopes(measured[0], points[0])
+        else:
+            (m1, e1), (m2, e2) = zip(points, measured)
+            slope = {p: (e2[p] - e1[p]) / (m2 - m1) for p in e1 if p in e2}
+        const = {p: measured[0][p] - slope[p] * points[0] for p in slope}
+        if ws2 is None:
+            return PhaseLine((ws,), checkpointing, const, slope)
+        other = self.excess(ws2, points[0], checkpointing)
+        const2 = {p: other[p] - slope[p] * points[0] for p in const if p in other}
+        per_rank = {p: (const[p] - const2[p]) / (1 / ws - 1 / ws2) for p in const2}
+        base = {p: const[p] - per_rank[p] / ws for p in per_rank}
+        return PhaseLine((ws, ws2), checkpointing, base, {p: slope[p] for p in base}, per_rank)
+
+    def check(self, line: PhaseLine, micro_batch: int, knee: int):
+        """One more run at ``micro_batch``: the line's peak against the measured one,
+        and the line with a second segment from ``knee`` to it."""
+        ws = line.world_sizes[0]
+        measured = self.excess(ws, micro_batch, line.checkpointing)
+        base = self.model_total(ws)
+        inv = {p: (line.per_rank[p] / ws if line.per_rank else 0.0) for p in line.const}
+        at_knee = {p: line.const[p] + inv[p] + line.slope[p] * knee for p in line.const}
+        slope = {p: (measured[p] - at_knee[p]) / (micro_batch - knee) for p in at_knee}
+        const = {p: at_knee[p] - inv[p] - slope[p] * knee for p in at_knee}
+        bent = dataclasses.replace(line, knee=knee, upper=(const, slope))
+        return bent, LinearityCheck(
+            checkpointing=line.checkpointing,
+            world_size=ws,
+            micro_batch=micro_batch,
+            predicted_bytes=base + line.excess(micro_batch, ws),
+            measured_bytes=base + max(measured.values()),
+        )
+
+
+def _slopes(excess: dict[str, int], mb: int) -> dict[str, float]:
+    return {p: v / mb for p, v in excess.items()}
