@@ -22,6 +22,8 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 def load_file(path: Path, trust_pickle: bool) -> LoadedModel:
     """A weights file (not a folder) as a ``LoadedModel``."""
     name = path.name.lower()
+    if name == ".metadata" or name.endswith(".distcp"):
+        return _load_dcp_part(path)
     if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
         return load_safetensors(path)
     if name.endswith(TORCH_SUFFIXES) or name.endswith(".index.json"):  # pytorch_model.bin sets
@@ -34,7 +36,10 @@ def load_file(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def weights_in_folder(path: Path) -> Path | None:
-    """The usual weight files of a model folder, safetensors first."""
+    """The usual weight files of a model folder: a DCP checkpoint's ``.metadata``
+    (written last, so it marks a complete checkpoint), then safetensors first."""
+    if (path / ".metadata").is_file():
+        return path / ".metadata"
     for pattern in (
         "*.safetensors.index.json",
         "*.safetensors",
@@ -48,6 +53,17 @@ def weights_in_folder(path: Path) -> Path | None:
         if found and pattern == "*.safetensors":
             raise SourceError(f"{path}: several safetensors files and no index; name one of them")
     return None
+
+
+def _load_dcp_part(path: Path) -> LoadedModel:
+    from .dcp import load_dcp
+
+    if path.name != ".metadata":
+        raise SourceError(
+            f"{path} is one rank's part of a torch.distributed.checkpoint (DCP) folder; "
+            "give the folder that holds it and its .metadata"
+        )
+    return load_dcp(path.parent)
 
 
 def _sniff(path: Path, trust_pickle: bool) -> LoadedModel:

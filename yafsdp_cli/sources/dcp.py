@@ -1,0 +1,278 @@
+"""PyTorch Distributed Checkpoint (DCP) folders: what FSDP2 and torchtitan save.
+
+A DCP folder holds ``.metadata`` and one ``__R_K.distcp`` file per saving rank (each
+chunk a ``torch.save``d shard). Names, shapes and dtypes come from the metadata alone
+(read safely, see ``dcp_meta``); tensor bytes are read with torch's own
+``FileSystemReader`` and ``dcp.load(..., no_dist=True)``, one tensor at a time, into a
+plain tensor of the whole shape, so no process group is needed and the model is never
+held in memory.
+
+A training checkpoint holds more than weights. ``dcp.save`` flattens a nested state
+dict into dotted keys and records each key's path: torchtitan and FSDP2 recipes save
+``{"model": ..., "optimizer": ..., "lr_scheduler": ..., "train_state": ...}`` (keys
+``model.layers.0.attention.wq.weight``, ``optimizer.state.layers.0.attention.wq.weight
+.exp_avg``), and newer torchtitan puts the model's keys at the top level. The weights
+are the ``model`` entry (or ``state_dict``, ``model_state_dict``, ``module``,
+``weights``) when there is one, with that prefix dropped, else every top-level tensor;
+optimizer state (the ``optimizer`` entry) is described, never loaded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import dtypes
+from ..errors import SourceError
+from ..fileio import CHUNK_BYTES
+from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
+from .model import LoadedModel
+
+MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "weights")
+OPTIMIZER_KEYS = ("optimizer", "optim", "optimizers", "optimizer_state_dict")
+# Top-level entries of trainers' checkpoints; used only when the metadata has no key paths.
+TRAINER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "rng")
+
+
+@dataclass(frozen=True, slots=True)
+class StateGroup:
+    """Tensors of one kind in a training checkpoint: an optimizer state (``exp_avg``)
+    over every parameter, or one other top-level entry (``lr_scheduler``)."""
+
+    name: str
+    tensors: int
+    numel: int
+    bytes: int
+    dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointState:
+    """What a training checkpoint holds besides the weights, from its metadata alone."""
+
+    format: str  # "dcp"
+    model_key: str | None  # the entry the weights are under ("model"); None: top level
+    files: int  # data files (one per saving rank)
+    model_tensors: int
+    model_bytes: int
+    optimizer_kind: str | None  # "adamw" (exp_avg + exp_avg_sq), "sgd" (momentum_buffer)
+    optimizer_params: int  # parameters that have optimizer state
+    without_state: tuple[str, ...]  # floating weights with none (tied, frozen, buffers)
+    optimizer: tuple[StateGroup, ...]  # one per state name, step counters included
+    optimizer_bytes: int  # every optimizer tensor
+    other: tuple[StateGroup, ...]  # other top-level entries' tensors
+    non_tensor_items: int  # pickled values (param groups, counters): not read
+
+    @property
+    def state_bytes(self) -> int:
+        """Optimizer state proper: every group but the 0-d ``step`` counters."""
+        return sum(g.bytes for g in self.optimizer if g.name != "step")
+
+
+def is_dcp_folder(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA_NAME).is_file()
+
+
+def load_dcp(folder: Path) -> LoadedModel:
+    """A DCP folder as a ``LoadedModel``: the weights' spec and a streaming reader; the
+    rest of the checkpoint is described in ``extra["checkpoint_state"]``."""
+    from .files import natural_key, spec_from_tensors
+
+    md = read_dcp_metadata(folder)
+    split = _split(md)
+    if not split.model:
+        tops = ", ".join(sorted({_top(md, f)[0] for f in md.tensors})) or "none"
+        raise SourceError(
+            f"{folder}: a DCP checkpoint with no model weights (its tensor entries: {tops})"
+        )
+    state = _describe(md, split)
+    names = sorted(split.model, key=natural_key)
+    items = [(n, md.tensors[split.model[n]].shape, md.tensors[split.model[n]].dtype) for n in names]
+    spec = spec_from_tensors(
+        items, {}, source=str(folder), source_kind="dcp", notes=_notes(state, split.key)
+    )
+    reader = DcpReader(md, {n: split.model[n] for n in names})
+    return LoadedModel(spec=spec, reader=reader, path=folder, extra={"checkpoint_state": state})
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    key: str | None  # the model entry, if nested
+    model: dict[str, str]  # weight name -> fqn
+    optimizer: tuple[str, ...]  # fqns
+    other: dict[str, tuple[str, ...]]  # top-level entry -> fqns
+
+
+def _top(md: DcpMetadata, fqn: str) -> tuple[str, bool]:
+    """The top-level entry of ``fqn`` and whether it is nested under it."""
+    path = md.paths.get(fqn)
+    if path is not None:
+        return str(path[0]), len(path) > 1
+    head, dot, _ = fqn.partition(".")  # no key paths: only known entries count as nested
+    if dot and head in (*OPTIMIZER_KEYS, *TRAINER_KEYS):
+        return head, True
+    return fqn, False
+
+
+def _split(md: DcpMetadata) -> _Split:
+    tops = {f: _top(md, f) for f in md.tensors}
+    nested = {t for t, is_nested in tops.values() if is_nested}
+    key = next((k for k in MODEL_KEYS if k in nested), None)
+    model, optimizer, other = {}, [], {}
+    for fqn, (top, is_nested) in tops.items():
+        if (key is not None and top == key) or (key is None and not is_nested):
+            model[fqn[len(key) + 1 :] if key else fqn] = fqn
+        elif top in OPTIMIZER_KEYS:
+            optimizer.append(fqn)
+        else:
+            other.setdefault(top, []).append(fqn)
+    return _Split(key, model, tuple(optimizer), {k: tuple(v) for k, v in other.items()})
+
+
+def _describe(md: DcpMetadata, split: _Split) -> CheckpointState:
+    by_state: dict[str, list[DcpTensor]] = {}
+    params = set()
+    for fqn in split.optimizer:
+        rest = fqn.split(".", 1)[1] if "." in fqn else fqn
+        if rest.startswith("state.") and "." in rest[6:]:
+            param, _, name = rest[6:].rpartition(".")
+            params.add(param)
+        else:
+            name = "other optimizer tensors"
+        by_state.setdefault(name, []).append(md.tensors[fqn])
+    groups = tuple(_group(n, ts) for n, ts in by_state.items())
+    other = tuple(_group(k, [md.tensors[f] for f in fs]) for k, fs in split.other.items())
+    model = [md.tensors[f] for f in split.model.values()]
+    floating = [n for n, f in split.model.items() if dtypes.is_floating(md.tensors[f].dtype)]
+    # optimizer state is keyed by parameter name; names that match none (raw
+    # ``optimizer.state_dict()`` numbers its parameters) tell nothing
+    known = params & set(floating)
+    return CheckpointState(
+        format="dcp",
+        model_key=split.key,
+        files=len(md.files),
+        model_tensors=len(model),
+        model_bytes=sum(t.nbytes for t in model),
+        optimizer_kind=_optimizer_kind(set(by_state)),
+        optimizer_params=len(params),
+        without_state=tuple(n for n in floating if n not in params) if known else (),
+        optimizer=groups,
+        optimizer_bytes=sum(g.bytes for g in groups),
+        other=other,
+        non_tensor_items=len(md.non_tensors),
+    )
+
+
+def _group(name: str, tensors: list[DcpTensor]) -> StateGroup:
+    return StateGroup(
+        name=name,
+        tensors=len(tensors),
+        numel=sum(t.numel for t in tensors),
+        bytes=sum(t.nbytes for t in tensors),
+        dtypes=tuple(dict.fromkeys(t.dtype for t in tensors)),
+    )
+
+
+def _optimizer_kind(states: set[str]) -> str | None:
+    """Adam and AdamW keep the same states (which one it was is in the param groups,
+    pickled values we do not load); SGD with momentum keeps one."""
+    if {"exp_avg", "exp_avg_sq"} <= states:
+        return "adamw"
+    if "momentum_buffer" in states:
+        return "sgd"
+    return None
+
+
+def _notes(state: CheckpointState, key: str | None) -> list[str]:
+    where = f"the checkpoint's {key!r} entry" if key else "the checkpoint's top-level tensors"
+    notes = [f"DCP checkpoint saved in {state.files} data file(s); weights from {where}"]
+    if state.optimizer:
+        names = ", ".join(g.name for g in state.optimizer)
+        kind = state.optimizer_kind or "unrecognised"
+        notes.append(
+            f"it also holds {kind} optimizer state ({names}) for {state.optimizer_params} "
+            "parameters; yafsdp reads and writes the weights only"
+        )
+    if state.other:
+        notes.append(f"other entries, not read: {', '.join(g.name for g in state.other)}")
+    return notes
+
+
+class DcpReader:
+    """The weights of a DCP checkpoint, tensor by tensor, through torch's reader."""
+
+    def __init__(self, md: DcpMetadata, fqns: dict[str, str]):
+        self.md = md
+        self.fqns = fqns  # weight name -> fqn
+        self.files = (md.folder / METADATA_NAME, *md.files)  # every file read
+        self._storage = None
+
+    def names(self) -> list[str]:
+        return list(self.fqns)
+
+    def tensor_meta(self, name: str) -> DcpTensor:
+        return self.md.tensors[self.fqns[name]]
+
+    def nbytes(self, name: str) -> int:
+        return self.tensor_meta(name).nbytes
+
+    def dtype(self, name: str) -> str:
+        return self.tensor_meta(name).dtype
+
+    def load(self, name: str) -> torch.Tensor:
+        """The whole tensor, assembled from its chunks (a new tensor)."""
+        meta = self.tensor_meta(name)
+        out = torch.zeros(meta.shape, dtype=dtypes.to_torch(meta.dtype))
+        load_into({meta.fqn: out}, self._reader(), self.md.folder)
+        return out
+
+    def iter_bytes(self, name: str, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        from .torch_file import TensorDictReader
+
+        return TensorDictReader({name: self.load(name)}).iter_bytes(name, chunk)
+
+    def _reader(self):
+        if self._storage is None:
+            self._storage = _storage_reader(self.md)
+        return self._storage
+
+
+def _storage_reader(md: DcpMetadata):
+    """torch's ``FileSystemReader``, handed our safely read metadata instead of
+    unpickling ``.metadata`` itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return md.raw
+
+    return _CheckedReader(md.folder)
+
+
+def load_into(state: dict[str, torch.Tensor], reader, folder: Path) -> None:
+    """``dcp.load`` without a process group; its errors as one ``SourceError``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    except Exception as exc:
+        names = ", ".join(list(state)[:2])
+        raise SourceError(f"{folder}: reading {names} failed ({_cause(exc)})") from None
+
+
+def _cause(exc: BaseException) -> str:
+    """The first underlying error of a ``CheckpointException`` (which wraps each rank's)."""
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            exc = inner
+            break
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
