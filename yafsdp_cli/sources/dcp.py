@@ -256,23 +256,26 @@ def _storage_reader(md: DcpMetadata):
 def load_into(state: dict[str, torch.Tensor], reader, folder: Path) -> None:
     """``dcp.load`` without a process group; its errors as one ``SourceError``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
             dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
         names = ", ".join(list(state)[:2])
-        raise SourceError(f"{folder}: reading {names} failed ({_cause(exc)})") from None
+        raise SourceError(f"{folder}: reading {names} failed ({cause(exc)})") from None
 
 
-def _cause(exc: BaseException) -> str:
-    """The first underlying error of a ``CheckpointException`` (which wraps each rank's)."""
+def cause(exc: BaseException) -> str:
+    """The first underlying error of a ``CheckpointException`` (which wraps each
+    rank's), as its type and first sentence."""
     for failure in getattr(exc, "failures", {}).values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, BaseException):
             exc = inner
             break
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    first = lines[0].split(". ")[0] if lines else ""
+    return f"{type(exc).__name__}: {first}".rstrip(": ")
