@@ -30,7 +30,6 @@ from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import CHUNK_BYTES
 from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
-from .model import LoadedModel
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "weights")
 OPTIMIZER_KEYS = ("optimizer", "optim", "optimizers", "optimizer_state_dict")
@@ -77,11 +76,17 @@ def is_dcp_folder(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_NAME).is_file()
 
 
-def load_dcp(folder: Path) -> LoadedModel:
-    """A DCP folder as a ``LoadedModel``: the weights' spec and a streaming reader; the
-    rest of the checkpoint is described in ``extra["checkpoint_state"]``."""
-    from .files import natural_key, spec_from_tensors
+@dataclass(frozen=True, slots=True)
+class DcpWeights:
+    """A DCP checkpoint opened for its weights (``files.load_file`` makes the spec)."""
 
+    reader: DcpReader
+    state: CheckpointState
+    notes: tuple[str, ...]
+
+
+def open_dcp(folder: Path) -> DcpWeights:
+    """The weights of DCP folder ``folder`` and a description of everything else."""
     md = read_dcp_metadata(folder)
     split = _split(md)
     if not split.model:
@@ -90,13 +95,7 @@ def load_dcp(folder: Path) -> LoadedModel:
             f"{folder}: a DCP checkpoint with no model weights (its tensor entries: {tops})"
         )
     state = _describe(md, split)
-    names = sorted(split.model, key=natural_key)
-    items = [(n, md.tensors[split.model[n]].shape, md.tensors[split.model[n]].dtype) for n in names]
-    spec = spec_from_tensors(
-        items, {}, source=str(folder), source_kind="dcp", notes=_notes(state, split.key)
-    )
-    reader = DcpReader(md, {n: split.model[n] for n in names})
-    return LoadedModel(spec=spec, reader=reader, path=folder, extra={"checkpoint_state": state})
+    return DcpWeights(DcpReader(md, split.model), state, tuple(_notes(state, split.key)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,14 +56,24 @@ def weights_in_folder(path: Path) -> Path | None:
 
 
 def _load_dcp_part(path: Path) -> LoadedModel:
-    from .dcp import load_dcp
+    """A DCP folder, given by its ``.metadata``: the weights' spec and a streaming
+    reader; the rest of the checkpoint is described in ``extra["checkpoint_state"]``."""
+    from .dcp import open_dcp
 
     if path.name != ".metadata":
         raise SourceError(
             f"{path} is one rank's part of a torch.distributed.checkpoint (DCP) folder; "
             "give the folder that holds it and its .metadata"
         )
-    return load_dcp(path.parent)
+    opened = open_dcp(path.parent)
+    reader = opened.reader
+    names = sorted(reader.names(), key=natural_key)
+    items = [(n, reader.tensor_meta(n).shape, reader.tensor_meta(n).dtype) for n in names]
+    spec = spec_from_tensors(
+        items, {}, source=str(path.parent), source_kind="dcp", notes=list(opened.notes)
+    )
+    extra = {"checkpoint_state": opened.state}
+    return LoadedModel(spec=spec, reader=reader, path=path.parent, extra=extra)
 
 
 def _sniff(path: Path, trust_pickle: bool) -> LoadedModel:
