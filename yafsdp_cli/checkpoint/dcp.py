@@ -1,12 +1,13 @@
 """``restore --format dcp``: a flat checkpoint as a torch.distributed.checkpoint folder.
 
 The folder is written by torch's own ``dcp.save`` with a ``FileSystemWriter``, in one
-process (``no_dist``): ``__0_0.distcp`` and ``.metadata``, so
+process (``no_dist``): ``.metadata`` and one ``__0_K.distcp`` file per tensor, so
 ``dcp.load(model.state_dict(), checkpoint_id=OUT)`` (or FSDP2's
 ``get_model_state_dict``/``set_model_state_dict`` on any number of ranks) reads it.
 ``dcp.save`` is handed the state dict as meta tensors (names, shapes, dtypes: all its
 planner needs) and a planner whose ``resolve_data`` reads a tensor's bytes from the
-flat checkpoint only when torch's writer asks for it, so one tensor is in memory at a
+flat checkpoint only when torch's writer asks for it; with one file per tensor (torch's
+writer keeps a file's tensors until the file is done) one tensor is in memory at a
 time. Every name is written, tied names included (each its own copy, as a plain
 ``model.state_dict()`` saves them), so every key a model asks for is there.
 
@@ -119,7 +120,12 @@ def write_dcp(folder: Path, items: dict, progress: Progress | None = None) -> No
     from ..sources.dcp import cause
 
     planner = _planner(items, progress)
-    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
+    # One file per tensor: torch's writer keeps every tensor of a file until that
+    # file is written, so one file for all would hold the whole model. No fsync per
+    # file: the folder is renamed into place once complete, like every other output.
+    writer = dcp.FileSystemWriter(
+        folder, single_file_per_rank=False, sync_files=False, thread_count=1
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."

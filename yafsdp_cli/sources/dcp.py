@@ -223,16 +223,26 @@ class DcpReader:
         return self.tensor_meta(name).dtype
 
     def load(self, name: str) -> torch.Tensor:
-        """The whole tensor, assembled from its chunks (a new tensor)."""
+        """The whole tensor, assembled from its chunks (a new tensor; the metadata
+        check made sure the chunks cover every element)."""
         meta = self.tensor_meta(name)
-        out = torch.zeros(meta.shape, dtype=dtypes.to_torch(meta.dtype))
+        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
         load_into({meta.fqn: out}, self._reader(), self.md.folder)
         return out
 
     def iter_bytes(self, name: str, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        """The tensor's bytes: views of it, but the last chunk a copy, so that a
+        caller still holding that chunk does not keep the whole tensor alive while
+        the next one loads (each chunk is valid until the next, as for safetensors)."""
         from .torch_file import TensorDictReader
 
-        return TensorDictReader({name: self.load(name)}).iter_bytes(name, chunk)
+        pieces = TensorDictReader({name: self.load(name)}).iter_bytes(name, chunk)
+        last = next(pieces, None)
+        for piece in pieces:
+            yield last
+            last = piece
+        if last is not None:
+            yield memoryview(bytes(last))
 
     def _reader(self):
         if self._storage is None:
