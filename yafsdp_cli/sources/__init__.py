@@ -14,7 +14,7 @@ with or without weights, ``torch.export`` programs (``*.pt2``), and
 
 Rooms: ``model`` (``LoadedModel``), ``files`` (weight files by kind), ``load``
 (``load_source``), ``hf`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``), ``dcp`` and ``dcp_meta`` (DCP folders). This package may
+``export`` (``*.pt2``), ``dcp``, ``dcp_meta`` and ``state`` (DCP folders). This package may
 import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
 checkpoint or the CLI.
 """

@@ -30,46 +30,12 @@ from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import CHUNK_BYTES
 from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
+from .state import CheckpointState, StateGroup
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "weights")
 OPTIMIZER_KEYS = ("optimizer", "optim", "optimizers", "optimizer_state_dict")
 # Top-level entries of trainers' checkpoints; used only when the metadata has no key paths.
 TRAINER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "rng")
-
-
-@dataclass(frozen=True, slots=True)
-class StateGroup:
-    """Tensors of one kind in a training checkpoint: an optimizer state (``exp_avg``)
-    over every parameter, or one other top-level entry (``lr_scheduler``)."""
-
-    name: str
-    tensors: int
-    numel: int
-    bytes: int
-    dtypes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointState:
-    """What a training checkpoint holds besides the weights, from its metadata alone."""
-
-    format: str  # "dcp"
-    model_key: str | None  # the entry the weights are under ("model"); None: top level
-    files: int  # data files (one per saving rank)
-    model_tensors: int
-    model_bytes: int
-    optimizer_kind: str | None  # "adamw" (exp_avg + exp_avg_sq), "sgd" (momentum_buffer)
-    optimizer_params: int  # parameters that have optimizer state
-    without_state: tuple[str, ...]  # floating weights with none (tied, frozen, buffers)
-    optimizer: tuple[StateGroup, ...]  # one per state name, step counters included
-    optimizer_bytes: int  # every optimizer tensor
-    other: tuple[StateGroup, ...]  # other top-level entries' tensors
-    non_tensor_items: int  # pickled values (param groups, counters): not read
-
-    @property
-    def state_bytes(self) -> int:
-        """Optimizer state proper: every group but the 0-d ``step`` counters."""
-        return sum(g.bytes for g in self.optimizer if g.name != "step")
 
 
 def is_dcp_folder(path: Path) -> bool:
