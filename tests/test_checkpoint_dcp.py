@@ -80,7 +80,7 @@ def test_sharded_flat_set_to_dcp_and_back_to_safetensors(tmp_path):
 def test_other_commands_take_a_dcp_source(gpt_dcp, tmp_path):
     src, _ = gpt_dcp
     model = "sample_models.models:gpt"
-    result = run("verify", src, "--model", model, "--steps", "2")
+    result = run("verify", src, "--model", model, "--steps", "1")
     assert result.exit_code == 0, result.output
     result = run("profile", src, "--model", model, "--fake", "--json")
     assert result.exit_code == 0, result.output
