@@ -80,3 +80,23 @@ def test_fsdp2_loads_the_restored_checkpoint(saved, restored, world, tmp_path):
     _, reference = saved
     launch(load_and_gather, world, str(restored), str(tmp_path / "loaded.pt"))
     assert_same_tensors(torch.load(tmp_path / "loaded.pt"), reference)
+
+
+def test_a_hugging_face_config_beside_dcp_weights(saved, tmp_path):
+    """config.json + a DCP checkpoint: the architecture from the config (so the tie
+    is known), the weights from the checkpoint."""
+    import shutil
+
+    out, reference = saved
+    folder = tmp_path / "hf"
+    shutil.copytree(out / "nested", folder)
+    tiny_llama().config.save_pretrained(folder)
+    doc = json.loads(run("inspect", folder, "--json").stdout)
+    assert doc["source_kind"] == "hf" and doc["has_architecture"]
+    assert doc["params"]["shared"] == [
+        {"name": "model.embed_tokens.weight", "aliases": ["lm_head.weight"]}
+    ]
+    run("convert", folder, "-o", tmp_path / "flat.safetensors", "--verify")
+    run("restore", tmp_path / "flat.safetensors", "-o", tmp_path / "back.safetensors")
+    back = load_st(tmp_path / "back.safetensors")  # the tie stored once, as save_model does
+    assert_same_tensors(back, {k: v for k, v in reference.items() if k != "lm_head.weight"})
