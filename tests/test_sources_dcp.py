@@ -76,6 +76,8 @@ def test_optimizer_state_is_measured_and_decides_the_optimizer(gpt_dcp):
     assert doc["checkpoint_state"]["modeled_state_bytes"] == 2 * 4 * unique
     assert not any("they differ" in n for n in doc["notes"])
     assert any("counts 964,608 B" in n for n in doc["notes"])  # the GPT's 120,576 elements
+    table = runner.invoke(app, ["inspect", str(path), "--format", "markdown"]).stdout
+    assert "| optimizer | exp_avg | 28 | 471.00 KiB | float32 |" in table  # 120,576 x 4 B
     # an explicit --optimizer wins, and the difference is said
     doc = inspect_json(path, "--optimizer", "sgd")
     assert doc["inputs"]["optimizer"] == "sgd" and any("they differ" in n for n in doc["notes"])
