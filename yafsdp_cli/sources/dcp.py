@@ -38,10 +38,6 @@ OPTIMIZER_KEYS = ("optimizer", "optim", "optimizers", "optimizer_state_dict")
 TRAINER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "rng")
 
 
-def is_dcp_folder(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA_NAME).is_file()
-
-
 @dataclass(frozen=True, slots=True)
 class DcpWeights:
     """A DCP checkpoint opened for its weights (``files.load_file`` makes the spec)."""

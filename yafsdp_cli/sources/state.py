@@ -27,7 +27,7 @@ class CheckpointState:
 
     format: str  # "dcp"
     model_key: str | None  # the entry the weights are under ("model"); None: top level
-    files: int  # data files (one per saving rank)
+    files: int  # data files (dcp.save writes one per saving rank by default)
     model_tensors: int
     model_bytes: int
     optimizer_kind: str | None  # "adamw" (exp_avg + exp_avg_sq), "sgd" (momentum_buffer)
