@@ -7,6 +7,9 @@ per stored tensor (see ``format.py``). With ``sharded=True`` it is a folder of
 ``rank-RRRRR-of-NNNNN.safetensors`` files, rank ``r`` holding slice ``r`` of every
 buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
 
+``restore_checkpoint(..., fmt="dcp")`` writes a torch.distributed.checkpoint folder
+instead (``dcp.py``), for FSDP2 and torchtitan.
+
 Everything streams: no function here holds a model, and none imports torch except
 ``restore`` to ``.pt`` (and a source that needs it, such as a ``.pt`` state dict).
 

@@ -10,6 +10,7 @@ name, and the metadata maps each dropped name to the stored one, so
 ``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
 ``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
+``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .results import Progress, RestoreResult, WrittenFile
 from .writer import FileWriter, check_output, staged_output
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
+FORMATS = ("safetensors", "pt", "dcp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,16 +64,26 @@ def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
 
 
 def restore_checkpoint(
-    flat: str | Path, out: str | Path, *, force: bool = False, progress: Progress | None = None
+    flat: str | Path,
+    out: str | Path,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    fmt: str | None = None,
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
-    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``). Every checksum and
-    the zero padding are verified before ``out`` appears: for ``.safetensors`` in
-    the same pass as the copy (the bytes are read once, checksummed and written to
-    the hidden temporary; a mismatch removes it)."""
+    to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``; with ``fmt="dcp"`` a
+    torch.distributed.checkpoint folder). Every checksum and the zero padding are
+    verified before ``out`` appears: for ``.safetensors`` in the same pass as the copy
+    (the bytes are read once, checksummed and written to the hidden temporary; a
+    mismatch removes it)."""
     out = Path(out)
-    fmt = _format_of(out)
+    fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
+    if fmt == "dcp":
+        from .dcp import restore_dcp
+
+        return restore_dcp(ckpt, out, state_dict_items(ckpt), force=force, progress=progress)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
     copier = Copier(record=True)
     items = state_dict_items(ckpt)
@@ -97,14 +109,23 @@ def restore_checkpoint(
     )
 
 
-def _format_of(out: Path) -> str:
+def _format_of(out: Path, fmt: str | None = None) -> str:
+    if fmt not in (None, *FORMATS):
+        raise CheckpointError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
+    if fmt == "dcp":
+        return fmt
     if out.name.endswith(".safetensors"):
-        return "safetensors"
-    if out.name.endswith(PT_SUFFIXES):
-        return "pt"
-    raise CheckpointError(
-        f"output {out}: give a .safetensors file (or .pt/.pth/.bin for torch.save)"
-    )
+        found = "safetensors"
+    elif out.name.endswith(PT_SUFFIXES):
+        found = "pt"
+    else:
+        raise CheckpointError(
+            f"output {out}: give a .safetensors file (or .pt/.pth/.bin for torch.save, or "
+            "--format dcp for a torch.distributed.checkpoint folder)"
+        )
+    if fmt is not None and fmt != found:
+        raise CheckpointError(f"output {out} is a {found} file name, but --format is {fmt}")
+    return found
 
 
 def _metadata(ckpt: FlatCheckpoint, tied: dict[str, str]) -> dict[str, str]:

@@ -61,8 +61,9 @@ def convert_command(
     source: Annotated[
         str | None,
         typer.Argument(
-            help="A .safetensors file or index, .pt/.pth/.bin state dict, pickled module or "
-            "Hugging Face folder. Optional with --model (the factory's own weights).",
+            help="A .safetensors file or index, .pt/.pth/.bin state dict, pickled module, "
+            "Hugging Face folder or DCP checkpoint folder. Optional with --model (the "
+            "factory's own weights).",
             show_default=False,
         ),
     ] = None,
@@ -125,10 +126,19 @@ def restore_command(
             "--output",
             "-o",
             help="The state dict to write: .safetensors (streamed), or .pt/.pth/.bin "
-            "(torch.save; holds the model in memory once).",
+            "(torch.save; holds the model in memory once), or a folder with --format dcp.",
             show_default=False,
         ),
     ],
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="safetensors | pt | dcp (a torch.distributed.checkpoint folder that FSDP2 "
+            "and torchtitan load). Default: from the output's suffix.",
+            show_default=False,
+        ),
+    ] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -138,7 +148,7 @@ def restore_command(
         from ..report import checkpoint as view
 
         with ProgressBar(not json_out) as bar:
-            result = restore_checkpoint(flat, output, force=force, progress=bar)
+            result = restore_checkpoint(flat, output, force=force, progress=bar, fmt=fmt)
         if json_out:
             sys.stdout.write(view.restore_json(result) + "\n")
         else:

@@ -31,7 +31,7 @@ def inspect_command(
         str | None,
         typer.Argument(
             help="A .safetensors file or index, .pt/.pth/.bin state dict, pickled module, "
-            ".pt2 program or Hugging Face folder. Optional with --model.",
+            ".pt2 program, Hugging Face folder or DCP checkpoint folder. Optional with --model.",
             show_default=False,
         ),
     ] = None,
@@ -56,8 +56,13 @@ def inspect_command(
         ),
     ] = None,
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="adamw | adam | sgd | none: optimizer states.")
-    ] = "adamw",
+        str | None,
+        typer.Option(
+            "--optimizer",
+            help="adamw | adam | sgd | none: optimizer states (default: a DCP checkpoint's "
+            "own, else adamw).",
+        ),
+    ] = None,
     master_weights: Annotated[
         bool | None,
         typer.Option(

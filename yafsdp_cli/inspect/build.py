@@ -28,6 +28,7 @@ from ..engine.units import ROOT
 from ..errors import FilterError, SourceError
 from ..memory.fsdp2 import RankGroup, UnevenSplit, check_placement
 from ..memory.model import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
+from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
 SCHEMA = "yafsdp.inspect/1"
 
@@ -170,6 +171,7 @@ class InspectReport:
     assumptions: tuple[str, ...]  # of the memory model and the options
     layout: Layout  # the planned layout itself, for library users
     memory_report: MemoryReport
+    stored_state: StoredState | None = None  # a training checkpoint's own optimizer state
 
 
 def inspect_model(
@@ -182,7 +184,7 @@ def inspect_model(
     align: str = "yafsdp",
     param_dtype: str | None = None,
     grad_dtype: str | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     master_weights: bool | None = None,
     round_bytes: int = 512,
     fsdp_placement: str = "dim0",
@@ -191,13 +193,15 @@ def inspect_model(
     """Plan ``loaded`` (a ``sources.LoadedModel``) and estimate its per-rank memory.
 
     ``param_dtype`` is the training dtype: floating parameters are planned and
-    counted in it whatever their stored dtype. Raises ``FilterError``,
+    counted in it whatever their stored dtype. ``optimizer=None`` takes the
+    checkpoint's own (a DCP checkpoint with optimizer state), else AdamW. Raises ``FilterError``,
     ``LayoutError`` or ``YafsdpError`` for bad options.
     """
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
     _check_architecture_filters(loaded, [*filters, *excludes])
     spec = retype_params(loaded.spec, param_dtype)
+    optimizer, decided = resolve_optimizer(loaded, optimizer)
     cfg = MemoryConfig(
         grad_dtype=grad_dtype,
         optimizer=optimizer,
@@ -225,6 +229,7 @@ def inspect_model(
         fsdp_placement=fsdp_placement,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
+    stored = stored_state(loaded, layout, cfg, decided)
     return InspectReport(
         source_kind=spec.source_kind,
         has_architecture=spec.has_architecture,
@@ -235,10 +240,11 @@ def inspect_model(
         groups=group_buffers(layout.buffers),
         units=layout.units,
         memory=_memory_summary(memory),
-        notes=spec.notes,
+        notes=spec.notes + stored_notes(stored, cfg),
         assumptions=_option_assumptions(inputs, spec) + assumptions(memory),
         layout=layout,
         memory_report=memory,
+        stored_state=stored,
     )
 
 

@@ -59,6 +59,7 @@ def to_json(report: InspectReport) -> str:
             "memory": report.memory,
             "notes": report.notes,
             "assumptions": report.assumptions,
+            "checkpoint_state": report.stored_state,
         },
     )
 
@@ -84,6 +85,8 @@ def sections(report: InspectReport, *, show_all: bool = False) -> list[Section]:
             out.append(shard_section(report, i, show_all))
     out.append(memory_section(report))
     out += fsdp_sections(report)
+    if report.stored_state is not None:
+        out.append(stored_section(report))
     return out
 
 
@@ -228,6 +231,24 @@ def memory_section(report: InspectReport) -> Section:
     title = f"memory per rank at world size {report.inputs.world_size}"
     right = tuple(range(1, len(headers)))
     return Section(title, headers, tuple(rows), right=right, caption=caption)
+
+
+def stored_section(report: InspectReport) -> Section:
+    """What a training checkpoint holds besides the weights (whole tensors)."""
+    state = report.stored_state.checkpoint
+    where = f"the {state.model_key!r} entry" if state.model_key else "top-level tensors"
+    rows = [("weights", where, str(state.model_tensors), human_bytes(state.model_bytes), "")]
+    for g in state.optimizer:
+        rows.append(("optimizer", g.name, str(g.tensors), human_bytes(g.bytes), "/".join(g.dtypes)))
+    for g in state.other:
+        rows.append(("other", g.name, str(g.tensors), human_bytes(g.bytes), "/".join(g.dtypes)))
+    kind = state.optimizer_kind or ("none" if not state.optimizer else "unrecognised")
+    caption = (
+        f"{state.format} checkpoint in {state.files} data file(s); optimizer: {kind}, "
+        f"{state.optimizer_params} parameters; {state.non_tensor_items} pickled values not read"
+    )
+    headers = ("holds", "entry", "tensors", "bytes", "dtypes")
+    return Section("checkpoint contents", headers, tuple(rows), right=(2, 3), caption=caption)
 
 
 def notes(report: InspectReport) -> list[str]:

@@ -9,12 +9,14 @@ Downstream code never asks where a model came from.
 Source kinds: ``*.safetensors`` and ``*.safetensors.index.json`` (header only, no
 torch import), ``*.pt/.pth/.bin`` state dicts, pickled modules (``--trust-pickle``),
 Hugging Face folders (``config.json``; the ``hf`` extra), ``--model module:factory``
-with or without weights, and ``torch.export`` programs (``*.pt2``).
+with or without weights, ``torch.export`` programs (``*.pt2``), and
+``torch.distributed.checkpoint`` (DCP) folders (``.metadata`` + ``*.distcp``).
 
 Rooms: ``model`` (``LoadedModel``), ``files`` (weight files by kind), ``load``
 (``load_source``), ``hf`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``). This package may import ``engine``, ``errors`` and
-``fileio``; it never imports verify, profiling, checkpoint or the CLI.
+``export`` (``*.pt2``), ``dcp``, ``dcp_meta`` and ``state`` (DCP folders). This package may
+import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
+checkpoint or the CLI.
 """
 
 from __future__ import annotations

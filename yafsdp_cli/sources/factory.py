@@ -96,6 +96,7 @@ def attach_factory(text: str, loaded: LoadedModel | None) -> LoadedModel:
         module=module,
         factory=factory,
         path=loaded.path,
+        extra={k: v for k, v in loaded.extra.items() if k != "names"},
     )
 
 

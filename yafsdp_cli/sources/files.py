@@ -22,6 +22,8 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 def load_file(path: Path, trust_pickle: bool) -> LoadedModel:
     """A weights file (not a folder) as a ``LoadedModel``."""
     name = path.name.lower()
+    if name == ".metadata" or name.endswith(".distcp"):
+        return _load_dcp_part(path)
     if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
         return load_safetensors(path)
     if name.endswith(TORCH_SUFFIXES) or name.endswith(".index.json"):  # pytorch_model.bin sets
@@ -34,7 +36,10 @@ def load_file(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def weights_in_folder(path: Path) -> Path | None:
-    """The usual weight files of a model folder, safetensors first."""
+    """The usual weight files of a model folder: a DCP checkpoint's ``.metadata``
+    (written last, so it marks a complete checkpoint), then safetensors first."""
+    if (path / ".metadata").is_file():
+        return path / ".metadata"
     for pattern in (
         "*.safetensors.index.json",
         "*.safetensors",
@@ -48,6 +53,27 @@ def weights_in_folder(path: Path) -> Path | None:
         if found and pattern == "*.safetensors":
             raise SourceError(f"{path}: several safetensors files and no index; name one of them")
     return None
+
+
+def _load_dcp_part(path: Path) -> LoadedModel:
+    """A DCP folder, given by its ``.metadata``: the weights' spec and a streaming
+    reader; the rest of the checkpoint is described in ``extra["checkpoint_state"]``."""
+    from .dcp import open_dcp
+
+    if path.name != ".metadata":
+        raise SourceError(
+            f"{path} is one rank's part of a torch.distributed.checkpoint (DCP) folder; "
+            "give the folder that holds it and its .metadata"
+        )
+    opened = open_dcp(path.parent)
+    reader = opened.reader
+    names = sorted(reader.names(), key=natural_key)
+    items = [(n, reader.tensor_meta(n).shape, reader.tensor_meta(n).dtype) for n in names]
+    spec = spec_from_tensors(
+        items, {}, source=str(path.parent), source_kind="dcp", notes=list(opened.notes)
+    )
+    extra = {"checkpoint_state": opened.state}
+    return LoadedModel(spec=spec, reader=reader, path=path.parent, extra=extra)
 
 
 def _sniff(path: Path, trust_pickle: bool) -> LoadedModel:

@@ -41,5 +41,8 @@ def _load_folder(path: Path, trust_pickle: bool) -> LoadedModel:
         return load_hf_folder(path, trust_pickle=trust_pickle)
     weights = weights_in_folder(path)
     if weights is None:
-        raise SourceError(f"{path}: a folder with neither config.json nor model weights")
+        raise SourceError(
+            f"{path}: a folder with neither config.json nor model weights "
+            "(safetensors, .bin/.pt, or a DCP checkpoint's .metadata)"
+        )
     return _load_path(weights, trust_pickle)
