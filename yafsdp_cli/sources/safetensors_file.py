@@ -24,7 +24,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..errors import SourceError, YafsdpError
 from ..fileio import CHUNK_BYTES, read_chunks, read_json, require_file
-from .shards import shard_path
+from .shards import shard_names, shard_path
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
 MAX_TENSOR_BYTES = 2**63 - 1  # offsets are 64-bit: a shape past this is a lie
@@ -101,6 +101,12 @@ def _parse_json(path: Path, raw: bytes) -> dict:
         raise SourceError(f"{path}: header is nested too deeply to be safetensors") from None
     if not isinstance(header, dict):
         raise SourceError(f"{path}: header is not a JSON object")
+    try:  # JSON may spell a lone surrogate ("\udc80"), which is no Unicode text
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SourceError(
+            f"{path}: header holds an invalid Unicode escape (a lone surrogate)"
+        ) from None
     return header
 
 
@@ -163,7 +169,7 @@ def read_index(path: Path) -> list[StHeader]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a safetensors index?")
-    files = list(dict.fromkeys(weight_map.values()))
+    files = shard_names(path, weight_map)
     headers = []
     for name in files:
         headers.append(read_header(shard_path(path, name)))

@@ -15,6 +15,16 @@ from pathlib import Path
 from ..errors import SourceError
 
 
+def shard_names(index: Path, weight_map: dict) -> list[str]:
+    """The distinct shard names of a ``weight_map``, in order; each must be a string."""
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str):
+            raise SourceError(
+                f"{index}: weight_map maps {tensor!r} to {name!r}, not a shard file name"
+            )
+    return list(dict.fromkeys(weight_map.values()))
+
+
 def shard_path(index: Path, name: object) -> Path:
     """The shard ``name`` of the set whose index is ``index``; raises ``SourceError``."""
     text = name if isinstance(name, str) else ""

@@ -21,7 +21,7 @@ from torch import nn
 from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import read_json
-from .shards import shard_path
+from .shards import shard_names, shard_path
 
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
 _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
@@ -129,7 +129,7 @@ def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a checkpoint index?")
     tensors: dict[str, torch.Tensor] = {}
-    for file in dict.fromkeys(weight_map.values()):
+    for file in shard_names(path, weight_map):
         shard = shard_path(path, file)
         obj, _ = load_torch_file(shard, trust_pickle=False)
         part, _ = find_state_dict(obj, shard)
