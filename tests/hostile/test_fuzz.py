@@ -17,7 +17,7 @@ from yafsdp_cli.sources.safetensors_file import read_index
 SECONDS = 1.5  # per target and seed: the suite's share
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_a_short_fuzz_finds_no_crash(tmp_path, target, seed):
     crashes, runs = fuzz(target, SECONDS, seed=seed, work=tmp_path)
