@@ -90,7 +90,7 @@ HOSTILE = {
     "too short": (b"\x01\x02", None, "not a safetensors file \\(only 2 bytes\\)"),
     "length beyond file": (None, 10**6, "header length 1000000 is impossible for a"),
     "not json": (b"{nope", None, "header is not valid JSON"),
-    "not utf-8": (b"\xff\xfe{}", None, "header is not valid JSON"),
+    "not utf-8": (b"\xff\xfe{}", None, "header is not valid UTF-8"),
     "not an object": (b"[1, 2]", None, "header is not a JSON object"),
     "duplicate names": (b'{"a": 1, "a": 2}', None, "header names tensor 'a' twice"),
     "entry not object": ({"a": [1]}, None, "entry 'a' is not an object"),

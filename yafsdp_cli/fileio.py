@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,14 +15,40 @@ from .errors import SourceError, YafsdpError
 CHUNK_BYTES = 16 * 1024 * 1024
 
 
+def require_file(path: Path, *, error: type[YafsdpError] = SourceError) -> int:
+    """``path``'s size; anything but a regular file (a FIFO, a device, a folder, a
+    missing path) raises ``error`` before it is opened, so a FIFO cannot block us."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO, socket or device"
+        raise error(f"{path}: not a regular file ({kind}); give a weights file")
+    return st.st_size
+
+
 def read_json(path: Path, *, error: type[YafsdpError] = SourceError) -> Any:
     """The JSON document in ``path``; an unreadable or invalid file raises ``error``."""
+    require_file(path, error=error)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def write_error(exc: OSError, out: Path, error: type[YafsdpError]) -> YafsdpError:
+    """A failed write of output ``out`` as one clear project error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return error(
+            f"no space left on device while writing {out}; nothing was written "
+            "(free some space or choose another -o)"
+        )
+    return error(f"cannot write {out} ({exc.strerror or exc}); nothing was written")
 
 
 def read_chunks(
@@ -37,11 +66,14 @@ def read_chunks(
         return
     buf = bytearray(min(chunk, nbytes))
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        while nbytes:
-            n = f.readinto(view[: min(nbytes, len(buf))])
-            if not n:
-                raise error(f"{path}: ended {what} (truncated file)")
-            nbytes -= n
-            yield view[:n]
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            while nbytes:
+                n = f.readinto(view[: min(nbytes, len(buf))])
+                if not n:
+                    raise error(f"{path}: ended {what} (truncated file)")
+                nbytes -= n
+                yield view[:n]
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from None

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
+from ..fileio import write_error
 from .copy import Copier, FileRange, Zeros, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, placeholder
 
@@ -203,6 +204,11 @@ def check_flat_name(out: Path, *, sharded: bool) -> None:
 def check_output(out: Path, *, inputs: Sequence[Path], force: bool, folder: bool) -> None:
     """Refuse an output that is an input (or holds one), or exists without ``--force``,
     or is a folder that is not a flat checkpoint set (never replaced, even forced)."""
+    if not out.parent.is_dir():
+        raise CheckpointError(
+            f"output {out}: its folder {out.parent} does not exist; create it first "
+            "(or choose another -o)"
+        )
     target = out.resolve()
     for p in inputs:
         src = p.resolve()
@@ -276,14 +282,15 @@ class Staged:
 def staged_output(out: Path, *, folder: bool) -> Iterator[Staged]:
     """Yield a ``Staged`` whose ``temp`` the caller fills; renamed over ``out`` on
     success, removed on any exception (Ctrl-C included) or when ``keep`` is False."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     staged = Staged(out, folder)
-    if folder:
-        staged.temp.mkdir()
     try:
+        if folder:
+            staged.temp.mkdir()
         yield staged
         if staged.keep:
             staged.commit()
+    except OSError as exc:  # disk full, read-only folder: one line naming the output
+        raise write_error(exc, out, CheckpointError) from None
     finally:
         if staged.temp.exists():
             staged.remove_temp()

@@ -13,13 +13,20 @@ from .app import app
 
 def main() -> None:
     """The console script: usage errors become one line on stderr and exit 2."""
+    import signal
     import sys
 
     import typer
 
+    from .common import Terminated, on_sigterm
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         code = app(standalone_mode=False)
-    except typer.Abort:
+    except Terminated:  # outside a command's error boundary
+        sys.stderr.write("error: terminated (SIGTERM)\n")
+        code = Terminated.code
+    except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("error: interrupted\n")
         code = 130
     except typer.TyperException as exc:  # Typer's (vendored click's) usage errors

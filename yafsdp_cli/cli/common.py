@@ -29,6 +29,17 @@ class State:
     debug = bool(os.environ.get("YAFSDP_DEBUG"))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is so that every ``finally`` (the staged
+    output's clean-up) runs, as for Ctrl-C; exit code 128 + 15."""
+
+    code = 143
+
+
+def on_sigterm(signum, frame) -> None:
+    raise Terminated
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print one line on stderr and return the Exit to raise."""
     stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
@@ -47,8 +58,15 @@ def errors_to_exit() -> Iterator[None]:
         if State.debug:
             traceback.print_exc(file=sys.stderr)
         raise fail(_escape(str(exc))) from None
+    except Terminated:
+        raise fail("terminated (SIGTERM); no output was written", Terminated.code) from None
     except KeyboardInterrupt:
         raise fail("interrupted; no output was written", 130) from None
+    except OSError as exc:  # an input or output no check caught: still one line
+        if State.debug:
+            traceback.print_exc(file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise fail(_escape(f"{where}{exc.strerror or exc}")) from None
     except Exception as exc:  # a bug, or an input no check caught: still one line
         if State.debug:
             traceback.print_exc(file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SourceError
+from ..fileio import require_file
 from .files import load_file, weights_in_folder
 from .model import LoadedModel
 
@@ -31,6 +32,7 @@ def _load_path(path: Path, trust_pickle: bool) -> LoadedModel:
         raise SourceError(f"{path}: no such file or folder")
     if path.is_dir():
         return _load_folder(path, trust_pickle)
+    require_file(path)  # a FIFO or device would block or never end
     return load_file(path, trust_pickle)
 
 

@@ -23,9 +23,11 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import SourceError, YafsdpError
-from ..fileio import CHUNK_BYTES, read_chunks, read_json
+from ..fileio import CHUNK_BYTES, read_chunks, read_json, require_file
+from .shards import shard_names, shard_path
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_TENSOR_BYTES = 2**63 - 1  # offsets are 64-bit: a shape past this is a lie
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +62,8 @@ class StHeader:
 
 def read_header(path: Path) -> StHeader:
     """Parse and validate ``path``'s header; raises ``SourceError`` naming what is wrong."""
+    size = require_file(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -88,11 +90,23 @@ def _parse_json(path: Path, raw: bytes) -> dict:
         return dict(pairs)
 
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path}: header is not valid UTF-8 ({exc})") from None
+    try:
+        header = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
         raise SourceError(f"{path}: header is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise SourceError(f"{path}: header is nested too deeply to be safetensors") from None
     if not isinstance(header, dict):
         raise SourceError(f"{path}: header is not a JSON object")
+    try:  # JSON may spell a lone surrogate ("\udc80"), which is no Unicode text
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SourceError(
+            f"{path}: header holds an invalid Unicode escape (a lone surrogate)"
+        ) from None
     return header
 
 
@@ -136,6 +150,11 @@ def _entry(path: Path, name: str, info, data_start: int) -> StEntry:
     ):
         raise SourceError(f"{path}: tensor {name!r} has bad data_offsets {offsets!r}")
     expected = math.prod(shape) * dtypes.itemsize(dtype)
+    if expected > MAX_TENSOR_BYTES:
+        raise SourceError(
+            f"{path}: tensor {name!r} has a bad shape {shape!r}: {dtype} of that shape is "
+            "more than 2^63 bytes"
+        )
     if offsets[1] - offsets[0] != expected:
         raise SourceError(
             f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but "
@@ -150,18 +169,10 @@ def read_index(path: Path) -> list[StHeader]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a safetensors index?")
-    files = list(dict.fromkeys(weight_map.values()))
+    files = shard_names(path, weight_map)
     headers = []
     for name in files:
-        shard = (path.parent / str(name)).resolve()
-        if shard.parent != path.parent.resolve():
-            raise SourceError(
-                f"{path}: weight_map names {name!r}, outside its folder; the shards of a set "
-                "sit beside its index"
-            )
-        if not shard.is_file():
-            raise SourceError(f"{path}: weight_map names {name!r}, which does not exist")
-        headers.append(read_header(shard))
+        headers.append(read_header(shard_path(path, name)))
     _check_index(path, weight_map, headers)
     return headers
 

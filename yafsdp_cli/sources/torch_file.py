@@ -8,6 +8,7 @@ them) to name the class, and refuse unless ``--trust-pickle`` is given.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import pickletools
@@ -22,6 +23,7 @@ from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import read_json
 from .model import cwd_importable
+from .shards import shard_names, shard_path
 
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
 _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
@@ -29,6 +31,13 @@ _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "num
 
 def load_torch_file(path: Path, *, trust_pickle: bool) -> tuple[object, list[str]]:
     """The object in ``path`` (a state dict or, if trusted, a module) and notes."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic[:2] != b"PK" and magic[:1] != b"\x80":  # torch.save: a zip, or a protocol-2 pickle
+        raise SourceError(
+            f"{path}: not a torch file (neither a zip archive nor a pickle); "
+            "give a file written by torch.save"
+        )
     try:
         return _load(path, weights_only=True), []
     except pickle.UnpicklingError as exc:
@@ -81,17 +90,18 @@ def _first_line(exc: BaseException) -> str:
 def pickled_classes(path: Path) -> list[str]:
     """Globals a pickle would import, read from its opcodes without running them;
     torch's and the standard library's own come last."""
-    data = _pickle_bytes(path)
+    stream = io.BytesIO(_pickle_bytes(path))
     found: list[str] = []
     strings: list[str] = []
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name == "GLOBAL":
-                found.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                found.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(arg, str):
-                strings.append(arg)
+    try:  # the legacy format is several pickles one after another: read them all
+        while stream.tell() < len(stream.getbuffer()):
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name == "GLOBAL":
+                    found.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+                elif isinstance(arg, str):
+                    strings.append(arg)
     except Exception:  # a truncated pickle still tells us what it named so far
         pass
     found = list(dict.fromkeys(found))
@@ -128,12 +138,8 @@ def load_torch_index(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise SourceError(f"{path}: no weight_map; is this a checkpoint index?")
     tensors: dict[str, torch.Tensor] = {}
-    for file in dict.fromkeys(map(str, weight_map.values())):
-        shard = path.parent / file
-        if shard.resolve().parent != path.parent.resolve():
-            raise SourceError(f"{path}: weight_map names {file!r}, outside its folder")
-        if not shard.is_file():
-            raise SourceError(f"{path}: weight_map names {file!r}, which does not exist")
+    for file in shard_names(path, weight_map):
+        shard = shard_path(path, file)
         obj, _ = load_torch_file(shard, trust_pickle=False)
         part, _ = find_state_dict(obj, shard)
         for name, t in part.items():

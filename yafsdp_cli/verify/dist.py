@@ -28,6 +28,7 @@ What every rank does, per step (see ``sharded.ShardedFlat`` for the runtime):
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
 import tempfile
@@ -117,6 +118,9 @@ def run_world(jobs: list[tuple]) -> list[VerifyReport]:
     world = jobs[0][3].world_size
     if any(job[3].world_size != world for job in jobs):
         raise YafsdpError("run_world: every job must have the same world size")
+    # torch logs a warning line per rank it stops after another died: the one
+    # error line below says what happened
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="yafsdp-verify-") as tmp:
         try:
             mp.start_processes(
@@ -161,6 +165,12 @@ def _worker(rank: int, world: int, tmp: str, jobs: list[tuple]) -> None:
 
 
 def _first_error(tmp: Path, exc: Exception) -> str:
+    signal_name = getattr(exc, "signal_name", None)
+    if signal_name:  # killed (out of memory, kill -9): the cause, whatever the others say
+        return (
+            f"rank {exc.error_index} of the verify run died (signal {signal_name}); the "
+            "other ranks were stopped. Out of memory? Rerun with fewer ranks"
+        )
     errors = sorted(tmp.glob("error.*"), key=lambda p: int(p.suffix[1:]))
     if errors:
         rank = errors[0].suffix[1:]
