@@ -172,9 +172,19 @@ def test_a_kernel_copy_that_stops_short_is_finished_by_the_next_method(tmp_path,
 
 def test_other_errors_of_the_kernel_copy_are_clear_errors(tmp_path, monkeypatch):
     src, data = _source(tmp_path)
-    monkeypatch.setattr(os, "copy_file_range", _fail(errno.ENOSPC))
-    with pytest.raises(CheckpointError, match=r"src.bin: copy failed \(No space left"):
+    monkeypatch.setattr(os, "copy_file_range", _fail(errno.EIO))
+    with pytest.raises(CheckpointError, match=r"src.bin: copy failed \(Input/output error"):
         _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)
+
+
+def test_a_full_disk_in_the_kernel_copy_is_the_outputs_error(tmp_path, monkeypatch):
+    """ENOSPC is the output's fault: it reaches ``staged_output`` as an OSError, which
+    names the output (not the source the copy read)."""
+    src, data = _source(tmp_path)
+    monkeypatch.setattr(os, "copy_file_range", _fail(errno.ENOSPC))
+    with pytest.raises(OSError) as info:
+        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)
+    assert info.value.errno == errno.ENOSPC
 
 
 def test_checksummed_copy_is_the_kernel_copy_then_a_read_back(tmp_path, monkeypatch):
@@ -371,7 +381,8 @@ def test_input_checked_in_the_copy_pass_still_refuses_any_changed_byte(tmp_path,
 def test_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(copy_mod.os, "pwrite", _fail(errno.ENOSPC))
     out = tmp_path / "out" / "flat.safetensors"
-    with pytest.raises(CheckpointError, match=r"cannot write .*No space left on device"):
+    out.parent.mkdir()
+    with pytest.raises(CheckpointError, match=r"no space left on device while writing .*out"):
         convert_checkpoint(sample("llama.safetensors"), out, world_size=2)
     assert list((tmp_path / "out").iterdir()) == []
 

@@ -323,6 +323,8 @@ class Copier:
                     os.lseek(dst_fd, at + done, os.SEEK_SET)
                     got = os.sendfile(dst_fd, fd, offset + done, step)
             except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise  # the output's fault: writer.staged_output names the output
                 if exc.errno not in _UNSUPPORTED:
                     raise CheckpointError(f"{path}: copy failed ({exc.strerror})") from None
                 self.disabled.add(method)
@@ -367,11 +369,9 @@ def open_range(src: FileRange) -> int:
 
 
 def write_at(fd: int, data, offset: int, path: Path | str = "the output") -> None:
-    """All of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    """All of ``data`` at ``offset`` (``pwrite`` may write less than asked). An
+    OSError (disk full) propagates: ``writer.staged_output`` names the output."""
     view = memoryview(data).cast("B")
     while len(view):
-        try:
-            n = os.pwrite(fd, view, offset)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {path} ({exc.strerror})") from None
+        n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

@@ -59,15 +59,12 @@ class FileWriter:
         self.header_len = len(header)
         self.data_start = 8 + len(header)
         self.nbytes = self.data_start + sum(s.nbytes for s in slots)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create {path} ({exc.strerror})") from None
+        # an OSError here (read-only folder, disk full) reaches ``staged_output``, which
+        # names the output the user asked for, not this hidden temporary
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write_at(fd, struct.pack("<Q", len(header)) + header, 0, path)
             os.ftruncate(fd, self.nbytes)  # the rest reads as zeros until written
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {path} ({exc.strerror})") from None
         finally:
             os.close(fd)
         self._pos = self.data_start
@@ -94,10 +91,7 @@ class FileWriter:
 
     def _file(self) -> int:
         if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_WRONLY)
-            except OSError as exc:
-                raise CheckpointError(f"cannot write {self.path} ({exc.strerror})") from None
+            self._fd = os.open(self.path, os.O_WRONLY)  # OSError: see __init__
         return self._fd
 
     def suspend(self) -> None:
