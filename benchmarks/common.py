@@ -89,3 +89,55 @@ def verdict(name: str, measured: float, bar: float, unit: str) -> bool:
 
 
 MiB = 1024 * 1024
+
+
+class TreeRss:
+    """The highest sum of resident memory over this process's descendants, sampled
+    every ``interval`` seconds while in the ``with`` block: what a command that runs
+    worker processes holds at once (``ru_maxrss`` gives the largest single one)."""
+
+    def __init__(self, interval: float = 0.1):
+        import threading
+
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> TreeRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        import os
+
+        me = os.getpid()
+        while not self._stop.wait(self.interval):
+            parents: dict[int, int] = {}
+            rss: dict[int, int] = {}
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    status = (entry / "status").read_text()
+                except OSError:
+                    continue
+                parents[int(entry.name)] = int(fields[1])
+                for line in status.splitlines():
+                    if line.startswith("VmRSS:"):
+                        rss[int(entry.name)] = int(line.split()[1]) * 1024
+            total = sum(size for pid, size in rss.items() if _descends(pid, me, parents))
+            self.peak = max(self.peak, total)
+
+
+def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    seen = 0
+    while pid in parents and seen < 64:
+        pid, seen = parents[pid], seen + 1
+        if pid == ancestor:
+            return True
+    return False

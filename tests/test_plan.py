@@ -213,3 +213,43 @@ def test_check_takes_a_plan_baseline(tmp_path):
     worse = runner.invoke(app, ["check", "--baseline", str(baseline)])
     assert worse.exit_code == 1, worse.output
     assert worse.stdout.count("regression:") == len(lost)
+
+
+def test_plan_on_several_processes_equals_the_plan_in_one():
+    """Workers load the source themselves and run some of the fake steps; the plan
+    does not depend on where a step ran."""
+    from yafsdp_cli.planning import plan_source
+
+    base = dict(gpu_memory=2**30, reserve=0, world_sizes=(1, 2, 4), micro_batches=(1, 2, 4))
+    kw = dict(model="sample_models.models:llama")
+    one = plan_source(None, **kw, opts=PlanOptions(**base, seq_len=SEQ, jobs=1))
+    two = plan_source(None, **kw, opts=PlanOptions(**base, seq_len=SEQ, jobs=2))
+    assert one.rows == two.rows and one.fake_runs == two.fake_runs > 2
+    assert any("(2 at a time" in n for n in two.notes)
+    assert any("(1 at a time" in n for n in one.notes)
+
+
+def test_a_failing_run_in_a_worker_is_the_plans_error():
+    from yafsdp_cli.planning.measure import measure_peaks
+    from yafsdp_cli.planning.pool import Origin, run_steps
+
+    opts = PlanOptions(gpu_memory=2**30, reserve=0, seq_len=SEQ)
+    origin = Origin(None, "sample_models.models:mlp", False)
+    loaded = load_source(None, model=origin.model)
+    keys = [(1, 1, "none"), (1, 1, "non-reentrant"), (1, 2, "non-reentrant")]  # no units
+    with pytest.raises(YafsdpError, match="no repeated blocks to checkpoint"):
+        run_steps(
+            keys,
+            lambda key: measure_peaks(loaded, opts, SEQ, key),
+            jobs=2,
+            origin=origin,
+            worker_args=(opts, SEQ),
+        )
+
+
+def test_small_models_plan_in_one_process():
+    from yafsdp_cli.planning.pool import PARALLEL_MODULES, auto_jobs
+
+    assert auto_jobs(8, PARALLEL_MODULES - 1) == 1
+    assert 1 <= auto_jobs(8, PARALLEL_MODULES) <= 8
+    assert auto_jobs(1, 10_000) == 1

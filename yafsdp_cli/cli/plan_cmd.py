@@ -59,6 +59,15 @@ def plan_command(
             help="cuda | cpu: whose kernels the fake steps account (cuda: CUDA's attention).",
         ),
     ] = "cuda",
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Fake runs at once, each in its own process (default: as many as the cores "
+            "and memory allow; 1: all in this process). The plan is the same for any N.",
+        ),
+    ] = None,
     seq_len: Annotated[
         int | None,
         typer.Option("--seq-len", min=1, help="Tokens per sequence (default: the model's own)."),
@@ -116,6 +125,7 @@ def plan_command(
             units=tuple(units) if units else None,
             align=align,
             target=target,
+            jobs=jobs,
             seed=seed,
         )
         report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)

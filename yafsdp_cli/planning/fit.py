@@ -22,6 +22,7 @@ from ..memory import estimate_memory
 from ..sources import load_source
 from .measure import PhaseLine, Runner
 from .options import MAX_WORLD_SIZE, PlanBreakdown, PlanOptions, PlanReport, PlanRow, Smallest
+from .pool import Origin
 
 DEFAULT_SEQ_LEN = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
@@ -29,13 +30,16 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block
 
 def plan_source(source, *, model=None, trust_pickle=False, opts: PlanOptions) -> PlanReport:
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-    report = plan_model(loaded, opts)
+    origin = Origin(None if source is None else str(source), model, trust_pickle)
+    report = plan_model(loaded, opts, origin=origin)
     path = None if source is None else str(source)
     return dataclasses.replace(report, source_path=path, model=model, options=opts)
 
 
-def plan_model(loaded, opts: PlanOptions) -> PlanReport:
-    """The plan of ``loaded`` (``sources.load_source``); see the module docstring."""
+def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> PlanReport:
+    """The plan of ``loaded`` (``sources.load_source``); see the module docstring.
+    With ``origin`` (what loads the same source again) the fake runs may use several
+    processes (``pool``); without, they all run here."""
     start = time.perf_counter()
     if loaded.module is None:
         loaded.build_module()  # raises: measuring activations needs an architecture
@@ -44,7 +48,7 @@ def plan_model(loaded, opts: PlanOptions) -> PlanReport:
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
     usable = opts.gpu_memory - opts.reserve
-    runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total)
+    runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
     lines, checks = _measure(runner, opts, sizes, usable, lambda ws: memory(ws).total)
     rows = [
         _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), opts)
@@ -117,6 +121,7 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, usable: int, total):
     checks = []
     points = sorted(set(opts.micro_batches))
     third = points[2:]
+    runner.prefetch(_runs(opts, regimes, ref2, points))
     for ck in opts.checkpointing:
         for ws in regimes:
             lines[(ck, ws)] = runner.line(ws, ck, opts.micro_batches, ref2 if ws > 1 else None)
@@ -125,6 +130,19 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, usable: int, total):
             lines[key], check = runner.check(lines[key], third[-1], points[1])
             checks.append(check)
     return lines, tuple(checks)
+
+
+def _runs(opts: PlanOptions, regimes, ref2, points) -> list:
+    """The (world size, micro-batch, checkpointing) of every run ``_measure`` makes."""
+    keys = []
+    for ck in opts.checkpointing:
+        for ws in regimes:
+            keys += [(ws, mb, ck) for mb in points[:2]]
+            if ws > 1 and ref2 is not None:
+                keys.append((ref2, points[0], ck))
+        if points[2:] and regimes:
+            keys.append((regimes[0], points[-1], ck))
+    return keys
 
 
 def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
@@ -208,19 +226,20 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start) -> PlanRe
         fake_runs=runs,
         linearity=checks,
         wall_s=time.perf_counter() - start,
-        notes=_notes(opts, measured, runs, checks),
+        notes=_notes(opts, measured, runs, checks, runner.jobs),
     )
 
 
-def _notes(opts: PlanOptions, measured, runs, checks) -> tuple[str, ...]:
+def _notes(opts: PlanOptions, measured, runs, checks, jobs: int) -> tuple[str, ...]:
     where = ", ".join(map(str, measured))
     notes = [
         "peak per rank = the memory model's persistent bytes at each world size (flat "
         "scheme: shards, master weights, buffers, 2 all-gather and 2 gradient buffers of "
         "the largest unit) + activations and temporaries of the converted model's step "
         f"measured under FakeTensorMode at world sizes {where}",
-        f"{runs} fake runs: activations grow linearly with micro-batch x sequence, so two "
-        "micro-batches are measured per checkpointing choice and the line gives the others; "
+        f"{runs} fake runs ({jobs} at a time, --jobs): activations grow linearly with "
+        "micro-batch x sequence, so two micro-batches are measured per checkpointing "
+        "choice and the line gives the others; "
         "one run at a second world size gives the part that scales with 1/world size "
         "(unreduced gradients at the peak, optimizer temporaries)",
         f"fits: peak + reserve ({opts.reserve} B, CUDA context and NCCL) <= GPU memory; "

@@ -15,12 +15,13 @@ world size plus the highest phase of the line at its micro-batch and world size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..profiling import ProfileOptions
 from ..profiling.run import profile_converted
 from .options import LinearityCheck, PlanOptions
+from .pool import Key, Origin, auto_jobs, run_steps
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -61,41 +62,85 @@ class PhaseLine:
         return act + temp
 
 
-class Runner:
-    """Runs fake steps of the converted model, counting them."""
+def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str, int]:
+    """The phase peaks of one fake step of the converted model, ``key`` =
+    (world size, micro-batch, checkpointing)."""
+    world_size, micro_batch, checkpointing = key
+    step = profile_converted(
+        loaded,
+        ProfileOptions(
+            optimizer=opts.optimizer,
+            optimizer_impl=opts.optimizer_impl,
+            filters=opts.filters,
+            excludes=opts.excludes,
+            units=opts.units,
+            world_size=world_size,
+            align=opts.align,
+            batch=micro_batch,
+            seq_len=seq_len,
+            seed=opts.seed,
+            fake=True,
+            param_dtype=opts.param_dtype,
+            grad_dtype=opts.grad_dtype,
+            checkpointing=checkpointing,
+            round_bytes=opts.round_bytes,
+            target=opts.target,
+        ),
+    )
+    return dict(step.phase_peaks)
 
-    def __init__(self, loaded, opts: PlanOptions, seq_len: int, model_total: Callable):
+
+class Runner:
+    """Runs fake steps of the converted model, counting them; ``prefetch`` runs a
+    set of them at once (on several cores, see ``pool``) for ``excess`` to read."""
+
+    def __init__(
+        self,
+        loaded,
+        opts: PlanOptions,
+        seq_len: int,
+        model_total: Callable,
+        origin: Origin | None = None,
+    ):
         self.loaded, self.opts, self.seq_len = loaded, opts, seq_len
         self.model_total = model_total  # world size -> the memory model's bytes
-        self.runs = 0
+        self.origin = origin
+        self.jobs = 1  # the most processes that ran steps at once
+        self._peaks: dict[Key, dict[str, int]] = {}
+
+    def prefetch(self, keys: Sequence[Key]) -> None:
+        wanted = [k for k in dict.fromkeys(keys) if k not in self._peaks]
+        if not wanted:
+            return
+        jobs = self.opts.jobs
+        if jobs is None:
+            modules = sum(1 for _ in self.loaded.module.modules()) if self.loaded.module else 0
+            jobs = auto_jobs(len(wanted), modules)
+        self.jobs = max(self.jobs, min(jobs, len(wanted)) if self.origin else 1)
+        found = run_steps(
+            wanted,
+            self._measure,
+            jobs=jobs,
+            origin=self.origin,
+            worker_args=(self.opts, self.seq_len),
+        )
+        self._peaks.update(found)
+
+    @property
+    def runs(self) -> int:
+        return len(self._peaks)
+
+    def _measure(self, key: Key) -> dict[str, int]:
+        return measure_peaks(self.loaded, self.opts, self.seq_len, key)
 
     def excess(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
         """Each phase's measured peak minus the model's bytes at ``world_size``."""
-        o = self.opts
-        step = profile_converted(
-            self.loaded,
-            ProfileOptions(
-                optimizer=o.optimizer,
-                optimizer_impl=o.optimizer_impl,
-                filters=o.filters,
-                excludes=o.excludes,
-                units=o.units,
-                world_size=world_size,
-                align=o.align,
-                batch=micro_batch,
-                seq_len=self.seq_len,
-                seed=o.seed,
-                fake=True,
-                param_dtype=o.param_dtype,
-                grad_dtype=o.grad_dtype,
-                checkpointing=checkpointing,
-                round_bytes=o.round_bytes,
-                target=o.target,
-            ),
-        )
-        self.runs += 1
+        key = (world_size, micro_batch, checkpointing)
+        if key not in self._peaks:
+            self._peaks[key] = self._measure(key)
+        peaks = self._peaks[key]
         base = self.model_total(world_size)
-        return {p: step.phase_peaks[p] - base for p in PHASES if p in step.phase_peaks}
+        return {p: peaks[p] - base for p in PHASES if p in peaks}
 
     def line(self, ws: int, checkpointing: str, micro_batches, ws2: int | None) -> PhaseLine:
         """Two runs at ``ws`` (one if the grid has one micro-batch), fitted per

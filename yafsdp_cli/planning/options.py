@@ -39,6 +39,7 @@ class PlanOptions:
     align: str = "yafsdp"
     round_bytes: int = ROUND_BYTES
     target: str = "cuda"  # whose kernels the fake steps account (see profile --target)
+    jobs: int | None = None  # fake runs at once (processes); None: cores and memory allow
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,6 +57,8 @@ class PlanOptions:
             raise YafsdpError("--checkpointing needs at least one of none|reentrant|non-reentrant")
         for mode in self.checkpointing:
             check_checkpointing(mode)
+        if self.jobs is not None and self.jobs < 1:
+            raise YafsdpError(f"--jobs must be at least 1, got {self.jobs}")
         if self.target not in ("cpu", "cuda"):
             raise YafsdpError(f"--target {self.target!r} is not cpu or cuda")
         if self.seq_len is not None and self.seq_len < 1:

@@ -97,7 +97,8 @@ def to_rich(report: PlanReport) -> list:
         for i, h in enumerate(headers):
             table.add_column(h, justify="right" if i else "left")
         for row in body:
-            table.add_row(*(Text(c, style=_style(c)) for c in row))
+            # a cell never breaks between its size and its verdict; a header may
+            table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
         tables.append(table)
     notes = [*summary_lines(report), *report.notes]
     return [*tables, *(Text(f"  {n}") for n in notes)]

@@ -1,0 +1,126 @@
+"""A plan's fake runs on several cores at once.
+
+Each fake run is one converted step under FakeTensorMode: seconds of Python per
+op, one core each, independent of the others. ``run_steps`` runs them in this
+process and, with ``jobs`` above 1, in ``jobs - 1`` worker processes besides
+(``spawn``: a fresh interpreter, never a fork of a process that holds torch's
+thread pools). A worker loads the source itself, from what the user gave (path,
+``--model``, ``--trust-pickle``), so only the run's key and its phase peaks cross
+the pipe. Runs are taken from one queue, the dearest first by the workers and the
+cheapest first by this process, so the cores stay busy to the end. A fake step's
+figures do not depend on where it runs, so the plan is the same for any ``jobs``
+(``tests/test_plan.py`` checks it).
+
+The number of jobs, unless given: 1 for a model of fewer than ``PARALLEL_MODULES``
+modules, whose fake runs take less than a worker takes to start (importing torch and
+transformers: about 3 s on a 2-core machine; a 2-layer Llama's run takes 0.3 s, the
+80-layer Llama-2-70B's 5 s); else the cores this process may use, no more than the
+runs, and no more than the memory allows, counting each worker as this process's
+resident size (a worker holds what this process holds: torch, the model's
+meta-device architecture and one fake step's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Key = tuple[int, int, str]  # (world size, micro-batch, checkpointing)
+PARALLEL_MODULES = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """What rebuilds the source in a worker: ``load_source``'s arguments."""
+
+    source: str | None
+    model: str | None
+    trust_pickle: bool
+
+
+def auto_jobs(runs: int, modules: int) -> int:
+    from ..verify.budget import available_memory, process_rss
+
+    if modules < PARALLEL_MODULES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_job = max(process_rss(), 1)
+    by_memory = 1 + available_memory().bytes // per_job
+    return max(1, min(cores or 1, runs, by_memory))
+
+
+def run_steps(
+    keys: Sequence[Key],
+    local: Callable[[Key], dict[str, int]],
+    *,
+    jobs: int,
+    origin: Origin | None,
+    worker_args: tuple[Any, ...],
+) -> dict[Key, dict[str, int]]:
+    """The phase peaks of every key's fake run: ``local`` here, the rest in workers.
+    Without an ``origin`` (a module built in this process only) every run is local."""
+    order = sorted(dict.fromkeys(keys), key=_cost, reverse=True)
+    jobs = max(1, min(jobs, len(order)))
+    if jobs == 1 or origin is None:
+        return {key: local(key) for key in order}
+    queue = deque(order)
+    results: dict[Key, dict[str, int]] = {}
+    failures: list[BaseException] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(jobs - 1, initializer=_init, initargs=(origin, *worker_args)) as pool:
+
+        def feed() -> None:  # one thread per worker: it waits, the worker computes
+            while not failures:
+                try:
+                    key = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    results[key] = pool.apply(_run, (key,))
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, in order
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=feed, daemon=True) for _ in range(jobs - 1)]
+        for t in threads:
+            t.start()
+        while not failures:
+            try:
+                key = queue.pop()
+            except IndexError:
+                break
+            results[key] = local(key)
+        for t in threads:
+            t.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def _cost(key: Key) -> tuple[bool, int]:
+    """Checkpointed runs recompute the forward; more micro-batch is more tokens."""
+    _, micro_batch, checkpointing = key
+    return checkpointing != "none", micro_batch
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init(origin: Origin, *args: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    from ..sources import load_source
+
+    loaded = load_source(origin.source, model=origin.model, trust_pickle=origin.trust_pickle)
+    _WORKER["run"] = (loaded, args)
+
+
+def _run(key: Key) -> dict[str, int]:
+    from .measure import measure_peaks
+
+    loaded, args = _WORKER["run"]
+    return measure_peaks(loaded, *args, key)
