@@ -243,6 +243,7 @@ def test_a_failing_run_in_a_worker_is_the_plans_error():
             lambda key: measure_peaks(loaded, opts, SEQ, key),
             jobs=2,
             origin=origin,
+            measure=measure_peaks,
             worker_args=(opts, SEQ),
         )
 

@@ -122,6 +122,7 @@ class Runner:
             self._measure,
             jobs=jobs,
             origin=self.origin,
+            measure=measure_peaks,
             worker_args=(self.opts, self.seq_len),
         )
         self._peaks.update(found)

@@ -61,10 +61,13 @@ def run_steps(
     *,
     jobs: int,
     origin: Origin | None,
+    measure: Callable[..., dict[str, int]],
     worker_args: tuple[Any, ...],
 ) -> dict[Key, dict[str, int]]:
-    """The phase peaks of every key's fake run: ``local`` here, the rest in workers.
-    Without an ``origin`` (a module built in this process only) every run is local."""
+    """The phase peaks of every key's fake run: ``local(key)`` here, and in workers
+    ``measure(loaded, *worker_args, key)`` (a module-level function: it is pickled by
+    name) on the source they load. Without an ``origin`` (a module built in this
+    process only) every run is local."""
     order = sorted(dict.fromkeys(keys), key=_cost, reverse=True)
     jobs = max(1, min(jobs, len(order)))
     if jobs == 1 or origin is None:
@@ -73,7 +76,7 @@ def run_steps(
     results: dict[Key, dict[str, int]] = {}
     failures: list[BaseException] = []
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs - 1, initializer=_init, initargs=(origin, *worker_args)) as pool:
+    with ctx.Pool(jobs - 1, initializer=_init, initargs=(origin, measure, *worker_args)) as pool:
 
         def feed() -> None:  # one thread per worker: it waits, the worker computes
             while not failures:
@@ -111,16 +114,14 @@ def _cost(key: Key) -> tuple[bool, int]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init(origin: Origin, *args: Any) -> None:
+def _init(origin: Origin, measure: Callable, *args: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from ..sources import load_source
 
     loaded = load_source(origin.source, model=origin.model, trust_pickle=origin.trust_pickle)
-    _WORKER["run"] = (loaded, args)
+    _WORKER["run"] = (measure, loaded, args)
 
 
 def _run(key: Key) -> dict[str, int]:
-    from .measure import measure_peaks
-
-    loaded, args = _WORKER["run"]
-    return measure_peaks(loaded, *args, key)
+    measure, loaded, args = _WORKER["run"]
+    return measure(loaded, *args, key)
