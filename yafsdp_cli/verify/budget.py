@@ -27,6 +27,7 @@ less the address space in use, and the kernel's ``MemAvailable``.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,6 +166,22 @@ def available_memory() -> Available:
         return Available(2**62, "no limit found")
     value, name = min(found)
     return Available(value, name)
+
+
+def release_freed() -> None:
+    """Hand memory the process freed back to the system (glibc's ``malloc_trim``).
+
+    Tensors below glibc's mmap threshold (which grows to 32 MiB as large blocks are
+    freed) live in the heap; when the original model's optimizer state and gradients
+    are freed, their pages stay resident until trimmed, and the converted model's
+    flat buffers (large blocks, mapped afresh) would come on top of them. Not glibc:
+    nothing to do."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def process_rss() -> int:

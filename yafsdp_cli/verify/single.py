@@ -23,6 +23,7 @@ from ..engine.flat import FlatModel, convert_module
 from ..engine.idioms import compiled
 from ..engine.layout import Layout
 from ..engine.step import forward_backward, make_optimizer, optimizer_tensors, rng_fingerprint
+from .budget import release_freed
 from .common import (
     Prepared,
     RankMemory,
@@ -56,10 +57,12 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     with ReferenceStore() as store:
         store.save_step(START, _starting_values(module))
         drawn = run_original(module, run, opts, store)
+        release_freed()  # the original's optimizer state and gradients
         _put_back(module, store)
         if opts.compile:
             torch._dynamo.reset()  # the converted model compiles afresh, as a second model would
         flat = convert_module(module, prep.layout)
+        release_freed()  # the parameters' old storages, now copied into the flat buffers
         run = compiled(module) if opts.compile else module
         rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
         memory, drift = run_converted(flat, run, opts, store, rec, drawn, prep.layout)
@@ -94,6 +97,8 @@ def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> lis
         parts = {"output": outputs, "gradient": grads, "parameter": named_params(module)}
         parts["buffer"] = dict(module.named_buffers())
         store.save_step(step, parts)
+        # the next step's backward must not find this step's gradients still held here
+        del grads, parts, outputs
         module.zero_grad(set_to_none=True)
     return drawn
 
