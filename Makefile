@@ -1,5 +1,6 @@
 # yafsdp: two commands from a fresh clone.
-#   make demo   install, then inspect / convert / restore / verify a bundled sample model
+#   make demo   install, then plan / inspect / convert / restore / verify / profile /
+#               check bundled sample models
 #   make test   install, then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,8 +23,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
+	$(BIN)/yafsdp plan --model sample_models.models:gpt --gpu-memory 2MiB --reserve 0 --seq-len 64 --world-size 1,2,4,8
 	$(BIN)/yafsdp inspect sample_models/llama.safetensors --world-size 8
 	rm -rf $(DEMO)
+	mkdir $(DEMO)
 	$(BIN)/yafsdp convert sample_models/llama.safetensors --world-size 8 --sharded -o $(DEMO)/llama-flat
 	$(BIN)/yafsdp reshard $(DEMO)/llama-flat --world-size 4 -o $(DEMO)/llama.flat.safetensors
 	$(BIN)/yafsdp restore $(DEMO)/llama.flat.safetensors -o $(DEMO)/llama.restored.safetensors
