@@ -188,3 +188,40 @@ def test_a_rank_that_dies_ends_the_whole_verify_run(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "rank 1" in lines[0] and "SIGKILL" in lines[0], lines[0]
     assert not any(alive(r) for r in ranks), "a rank outlived the run"
+
+
+@pytest.mark.parametrize("after_s", [0.2, 1.5])  # while the worker starts; while it runs
+def test_ctrl_c_ends_a_plan_and_its_workers(after_s):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the
+    plan's worker processes start and run fake steps: exit 130, one line, no worker
+    left, no worker's traceback. (Sent once a worker is past its fork: in the few
+    milliseconds of the fork itself the parent ignores SIGINT, see ``pool._pool``.)"""
+    argv = ["plan", "--model", "sample_models.models:llama", "--gpu-memory", "1GiB"]
+    argv += ["--reserve", "0", "--world-size", "1,2,4,8", "--micro-batch", "1,2,4,8,16", "-j", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from yafsdp_cli.cli import main; main()", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := rank_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers, f"no worker started (exit {proc.poll()})"
+        time.sleep(after_s)
+        assert proc.poll() is None, "the plan ended before Ctrl-C"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "interrupted" in lines[0], err
+    time.sleep(0.5)
+    assert not any(alive(w) for w in workers), "a worker outlived the plan"

@@ -75,8 +75,7 @@ def run_steps(
     queue = deque(order)
     results: dict[Key, dict[str, int]] = {}
     failures: list[BaseException] = []
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs - 1, initializer=_init, initargs=(origin, measure, *worker_args)) as pool:
+    with _pool(jobs - 1, (origin, measure, *worker_args)) as pool:
 
         def feed() -> None:  # one thread per worker: it waits, the worker computes
             while not failures:
@@ -105,6 +104,24 @@ def run_steps(
     return results
 
 
+def _pool(processes: int, initargs: tuple):
+    """A spawn pool whose workers never see SIGINT. A terminal's Ctrl-C reaches the
+    whole process group; it is this process's to handle (the pool is terminated on
+    the way out), not a half-started worker's to print a traceback for. SIGINT is
+    ignored here while the workers are forked: an ignored signal stays ignored
+    through exec, and Python then leaves it so, from the worker's first instruction.
+    (A blocked mask would not do: the spawn's fork-exec clears it.) A Ctrl-C in
+    those few milliseconds is lost; the next one counts."""
+    ctx = multiprocessing.get_context("spawn")
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        return ctx.Pool(processes, initializer=_init, initargs=initargs)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, before)
+
+
 def _cost(key: Key) -> tuple[bool, int]:
     """Checkpointed runs recompute the forward; more micro-batch is more tokens."""
     _, micro_batch, checkpointing = key
@@ -115,7 +132,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init(origin: Origin, measure: Callable, *args: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from ..sources import load_source
 
     loaded = load_source(origin.source, model=origin.model, trust_pickle=origin.trust_pickle)
