@@ -83,10 +83,10 @@ def profile_converted(loaded, opts: ProfileOptions) -> StepProfile:
         with entered(fake_mode):
             module, layout, _ = _prepared(loaded, opts, fake_mode)
         batch = _batch(module, opts)
-        attention = CudaAttention() if _substitutes_cuda(opts) else None
-        step_mode = FakeStep() if fake_mode is not None else None
-        with entered(fake_mode, step_mode, attention), index_errors(module, opts):
-            return _converted(module, layout, batch, opts)
+        _, modes = _step_modes(opts, fake_mode)
+        with entered(*modes), index_errors(module, opts):
+            params, sharded = _convert(module, layout, opts)
+            return _profile_step("converted", module, params, batch, opts, sharded)
 
 
 def _prepared(loaded, opts: ProfileOptions, fake_mode):
@@ -108,13 +108,22 @@ def _prepared(loaded, opts: ProfileOptions, fake_mode):
     return module, layout, ckpt_note
 
 
-def _converted(module, layout, batch, opts: ProfileOptions) -> StepProfile:
+def _step_modes(opts: ProfileOptions, fake_mode):
+    """The modes a step runs under (the fake mode, the fake step's kernels, CUDA's
+    attention where it is substituted), and the attention mode, for its counts."""
+    attention = CudaAttention() if _substitutes_cuda(opts) else None
+    step_mode = FakeStep() if fake_mode is not None else None
+    return attention, (fake_mode, step_mode, attention)
+
+
+def _convert(module, layout, opts: ProfileOptions):
+    """``module`` converted in place; what its optimizer steps on, and the sharded
+    runtime (rank 0 of ``world_size``) where there is one."""
     flat = convert_module(module, layout)
-    sharded = None
-    if opts.world_size > 1:
-        sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
-    params = sharded.parameters() if sharded else flat.parameters()
-    return _profile_step("converted", module, params, batch, opts, sharded)
+    if opts.world_size == 1:
+        return flat.parameters(), None
+    sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
+    return sharded.parameters(), sharded
 
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
@@ -122,14 +131,14 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
     with entered(fake_mode):
         module, layout, ckpt_note = _prepared(loaded, opts, fake_mode)
     batch = _batch(module, opts)
-    attention = CudaAttention() if _substitutes_cuda(opts) else None
-    step_mode = FakeStep() if fake_mode is not None else None
-    with entered(fake_mode, step_mode, attention), index_errors(module, opts):
+    attention, modes = _step_modes(opts, fake_mode)
+    with entered(*modes), index_errors(module, opts):
         progress(STAGES[1], 1, len(STAGES))
         original = _profile_step("original", module, list(module.parameters()), batch, opts)
         progress(STAGES[2], 2, len(STAGES))
+        params, sharded = _convert(module, layout, opts)
         progress(STAGES[3], 3, len(STAGES))
-        converted = _converted(module, layout, batch, opts)
+        converted = _profile_step("converted", module, params, batch, opts, sharded)
     progress("done", len(STAGES), len(STAGES))
     kernels = dict(attention.used) if attention else {}
     return ProfileReport(
