@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import SAMPLE_NAMES
+from torch._inductor.utils import run_and_get_code
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
+from yafsdp_cli.verify import single as verify_single
+from yafsdp_cli.verify.common import DETERMINISTIC_NOTE, deterministic_kernels
 from yafsdp_cli.verify.dist import run_world
 
 runner = CliRunner()
@@ -57,6 +61,46 @@ def test_every_sample_compiled():
         assert any("torch.compile" in n for n in report.notes)
 
 
+def _compiled_embedding_backward_code() -> str:
+    """The kernels inductor generates for a compiled embedding's forward and backward."""
+    torch._dynamo.reset()
+    emb = torch.nn.Embedding(50, 8)
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    fn = torch.compile(lambda i: emb(i).pow(2).sum())
+    _, codes = run_and_get_code(lambda: fn(ids).backward())
+    torch._dynamo.reset()
+    return "\n".join(codes)
+
+
+def test_why_compiled_verify_needs_deterministic_kernels():
+    # The flake this guards against: with several threads, inductor sums an embedding's
+    # gradient with atomic adds (order, and so the last bit, varies run to run); in
+    # deterministic mode it calls ATen's serial kernel instead.
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "atomic_add" in _compiled_embedding_backward_code()
+    with deterministic_kernels(VerifyOptions(compile=True)):
+        assert "atomic_add" not in _compiled_embedding_backward_code()
+    assert not torch.are_deterministic_algorithms_enabled()  # the setting is given back
+
+
+@pytest.mark.parametrize("compile_", [True, False])
+def test_compiled_verify_runs_both_models_deterministically(monkeypatch, compile_):
+    seen = []
+    real = verify_single.forward_backward
+
+    def spy(model, batch, seed):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(model, batch, seed)
+
+    monkeypatch.setattr(verify_single, "forward_backward", spy)
+    report = verify_model(loaded("gpt"), VerifyOptions(compile=compile_, steps=1))
+    assert report.ok, report.first_failure
+    assert len(seen) == 4  # two micro-batches on each model
+    assert seen == [compile_] * 4  # eager runs keep the user's (default) setting
+    assert (DETERMINISTIC_NOTE in report.notes) is compile_
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_compiled_and_checkpointed_on_two_ranks_through_the_cli():
     argv = [
         "verify",
@@ -74,6 +118,7 @@ def test_compiled_and_checkpointed_on_two_ranks_through_the_cli():
     result = runner.invoke(app, argv)
     assert result.exit_code == 0, result.output
     assert "torch.compile" in result.output and "2 ranks" in result.output
+    assert "deterministic kernels" in " ".join(result.output.split())
 
 
 def test_an_unknown_mode_is_one_line_and_exit_2():

@@ -50,6 +50,7 @@ from .common import (
     allocation_rounding,
     batch_for,
     build_report,
+    deterministic_kernels,
     held_bytes,
     micro_seed,
     named_params,
@@ -204,6 +205,11 @@ def verify_this_rank(loaded, opts: VerifyOptions) -> VerifyReport:
 
 
 def run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyReport:
+    with deterministic_kernels(opts):
+        return _run_rank(prep, opts, comm)
+
+
+def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyReport:
     original, rank = prep.original, comm.rank
     twin = copy.deepcopy(original)
     run_original, idiom_notes = with_idioms(original, prep.layout, opts)

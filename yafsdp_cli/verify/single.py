@@ -33,6 +33,7 @@ from .common import (
     allocation_rounding,
     batch_for,
     build_report,
+    deterministic_kernels,
     held_bytes,
     micro_seed,
     named_grads,
@@ -52,6 +53,11 @@ START = -1  # the store's "step" holding the starting values
 
 
 def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
+    with deterministic_kernels(opts):
+        return _run_single(prep, opts)
+
+
+def _run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     module = prep.original
     run, notes = with_idioms(module, prep.layout, opts)
     with ReferenceStore() as store:
