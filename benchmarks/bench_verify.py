@@ -117,12 +117,9 @@ def _print_estimate(report: dict) -> None:
     budget = report.get("budget") or {}
     est = budget.get("estimate") or {}
     if est:
-        total = (
-            budget["process_bytes"]
-            + sum(est[k] for k in ("params", "grads", "optimizer", "buffers", "temporaries"))
-            + max(est["activations"], 0)
-            + 256 * 2**20
-        )
+        from yafsdp_cli.verify.budget import PeakEstimate
+
+        total = budget["process_bytes"] + PeakEstimate(**est).total
         print(
             f"  estimated peak {total / GiB:.3f} GiB; available "
             f"{budget['available']['bytes'] / GiB:.2f} GiB ({budget['available']['source']}); "

@@ -61,12 +61,18 @@ def _estimate_words(budget: Budget) -> str:
     act = human_bytes(e.activations) if e.activations >= 0 else "not estimated"
     parts = (
         f"parameters {human_bytes(e.params)}, gradients {human_bytes(e.grads)}, "
-        f"optimizer {human_bytes(e.optimizer)}, activations {act}, "
+        f"optimizer {_optimizer_words(e)}, activations {act}, "
         f"temporaries {human_bytes(e.temporaries)}"
     )
     if e.ranks > 1:
         parts += f"; x{e.models} models on each of {e.ranks} ranks"
     return f"{human_bytes(budget.process_bytes + e.total)} ({parts})"
+
+
+def _optimizer_words(e) -> str:
+    if e.resident_optimizer == e.optimizer:
+        return human_bytes(e.optimizer)
+    return f"{human_bytes(e.optimizer)} on disk, {human_bytes(e.resident_optimizer)} at once"
 
 
 def _available_words(budget: Budget) -> str:

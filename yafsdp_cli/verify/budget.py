@@ -6,7 +6,9 @@ training state plus what a step makes on top of it:
 
 - state: ``estimate_memory(layout).flat`` at world size 1, master weights off:
   parameters, gradients, optimizer states and module buffers of the converted model
-  (the original's are the same bytes less the flat buffers' padding);
+  (the original's are the same bytes less the flat buffers' padding); in one
+  process the optimizer state lies on disk but for one parameter's at a time
+  (``offload``): the largest flat buffer's (or kept parameter's) share of it;
 - activations: a forward of the meta-device architecture on the run's batch shape,
   the bytes of every leaf module's outputs (what autograd saves, roughly) times
   ``ACTIVATION_FACTOR`` for what the modules save inside, plus the loss's float32
@@ -59,14 +61,25 @@ class PeakEstimate:
     temporaries: int
     ranks: int = 1  # processes that each need all of the above at once
     models: int = 1  # models alive at once in each
+    optimizer_at_once: int = -1  # optimizer state in memory at once; -1: all of it
 
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers
 
     @property
+    def resident_optimizer(self) -> int:
+        return self.optimizer if self.optimizer_at_once < 0 else self.optimizer_at_once
+
+    @property
+    def resident_state(self) -> int:
+        """The state in memory at once: all but the optimizer's on-disk part."""
+        return self.state - self.optimizer + self.resident_optimizer
+
+    @property
     def total(self) -> int:
-        per_rank = self.models * self.state + max(self.activations, 0) + self.temporaries
+        per_rank = self.models * self.resident_state + max(self.activations, 0)
+        per_rank += self.temporaries
         return self.ranks * (per_rank + MARGIN_BYTES)
 
 
@@ -199,12 +212,25 @@ def peak_rss(children: bool = False) -> int:
 
 
 def estimate_peak(
-    layout: Layout, optimizer: str, activations: int, *, ranks: int = 1, models: int = 1
+    layout: Layout,
+    optimizer: str,
+    activations: int,
+    *,
+    ranks: int = 1,
+    models: int = 1,
+    offloaded: bool = False,
 ) -> PeakEstimate:
     """The run's peak above the process's current memory (see the module docstring);
-    ``layout`` is planned at world size 1 (each rank holds the original whole)."""
+    ``layout`` is planned at world size 1 (each rank holds the original whole).
+    ``offloaded``: the optimizer state is on disk but for the largest parameter's."""
     flat = estimate_memory(layout, MemoryConfig(optimizer=optimizer, master_weights=False)).flat
     largest = max((b.padded_numel * dtypes.itemsize(b.dtype) for b in layout.buffers), default=0)
+    at_once = -1
+    if offloaded:
+        kept = (t.numel * dtypes.itemsize(t.dtype) for t in layout.kept if t.is_param)
+        slot = max(largest, *kept, 0)
+        # torch's optimizers keep their states in the parameter's dtype: states per byte
+        at_once = flat.optimizer * slot // flat.params if flat.params else 0
     return PeakEstimate(
         params=flat.params,
         grads=flat.grads,
@@ -214,6 +240,7 @@ def estimate_peak(
         temporaries=TEMPORARY_FACTOR * largest,
         ranks=ranks,
         models=models,
+        optimizer_at_once=at_once,
     )
 
 

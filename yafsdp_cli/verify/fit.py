@@ -78,7 +78,9 @@ def budget_for(loaded, opts: VerifyOptions, available: Available, choice=None) -
         except YafsdpError:
             activations = -1
     ranks, models = (opts.world_size, 2) if opts.world_size > 1 else (1, 1)
-    estimate = estimate_peak(layout, opts.optimizer, activations, ranks=ranks, models=models)
+    estimate = estimate_peak(
+        layout, opts.optimizer, activations, ranks=ranks, models=models, offloaded=ranks == 1
+    )
     return Budget(estimate, available, process_rss())
 
 

@@ -10,19 +10,22 @@
 4. The converted model runs the same micro-batches; each tensor is compared with the
    original's, read back from disk one at a time.
 
-The peak is one model's training state plus one step's activations and temporaries.
+Both optimizers keep their state on disk between parameters (``offload``): held at
+once are one model's parameters and gradients, plus one step's activations, or one
+parameter's optimizer state and temporaries while it steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
 from ..engine.flat import FlatModel, convert_module
 from ..engine.idioms import compiled
 from ..engine.layout import Layout
-from ..engine.step import forward_backward, make_optimizer, optimizer_tensors, rng_fingerprint
+from ..engine.step import forward_backward, rng_fingerprint
 from .budget import release_freed
 from .common import (
     Prepared,
@@ -43,6 +46,7 @@ from .common import (
     unused_kept,
     with_idioms,
 )
+from .offload import OffloadedOptimizer
 from .store import ReferenceStore
 
 RNG_NOTE = (
@@ -87,7 +91,7 @@ def _starting_values(module) -> dict[str, Mapping]:
 def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> list[bytes]:
     """Every step of the original, kept on disk; the generators' state after each
     micro-batch."""
-    opt = make_optimizer(opts.optimizer, module.parameters())
+    opt = OffloadedOptimizer(opts.optimizer, module.parameters(), store.folder, "original")
     drawn = []
     for step in range(opts.steps):
         outputs = {}
@@ -98,8 +102,7 @@ def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> lis
             )
             drawn.append(rng_fingerprint())
         grads = named_grads(module)
-        if opt is not None:
-            opt.step()
+        opt.step(last=step == opts.steps - 1)
         parts = {"output": outputs, "gradient": grads, "parameter": named_params(module)}
         parts["buffer"] = dict(module.named_buffers())
         store.save_step(step, parts)
@@ -122,7 +125,7 @@ def _put_back(module, store: ReferenceStore) -> None:
 def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Recorder, drawn, layout):
     """The converted model's steps, each tensor compared with the original's on disk."""
     module = flat.module
-    opt = make_optimizer(opts.optimizer, flat.parameters())
+    opt = OffloadedOptimizer(opts.optimizer, flat.parameters(), store.folder, "converted")
     memory, drift = None, []
     for step in range(opts.steps):
         with store.open_step(step, _device(opts)) as handle:
@@ -135,8 +138,7 @@ def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Record
                 name = f"output (micro-batch {m})"
                 rec.compare("output", name, step, got, want["output"][name])
             rec.compare_all("gradient", step, flat.named_grads(), want["gradient"])
-            if opt is not None:
-                opt.step()
+            opt.step(last=step == opts.steps - 1)
             if step == opts.steps - 1:
                 memory = _single_memory(flat, opt, layout, opts)
             rec.compare_all("parameter", step, flat.named_params(), want["parameter"])
@@ -151,10 +153,12 @@ def _device(opts: VerifyOptions) -> str:
     return "cuda:0" if opts.device == "cuda" else "cpu"
 
 
-def _single_memory(flat: FlatModel, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
+def _single_memory(
+    flat: FlatModel, opt: OffloadedOptimizer, layout: Layout, opts: VerifyOptions
+) -> RankMemory:
     params = flat.parameters()
     r = allocation_rounding(opts.device)
     grads = [p.grad for p in params]
-    groups = (params, grads, optimizer_tensors(opt), list(flat.module.buffers()))
-    held = held_bytes(groups, r)
+    held = held_bytes((params, grads, [], list(flat.module.buffers())), r)
+    held = replace(held, optimizer=opt.held_bytes(r))  # on disk, but a training run holds it
     return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(flat.kept_parameters()))

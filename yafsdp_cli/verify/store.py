@@ -65,6 +65,17 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
                 f.write(memoryview(flat.numpy()))
 
 
+def keep_on_disk(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``write_tensors``; a failure (disk full) is one sentence saying what to do."""
+    try:
+        write_tensors(path, tensors)
+    except OSError as exc:
+        raise YafsdpError(
+            f"verify could not keep tensors in {path.parent} ({exc.strerror}); "
+            "free disk space there, set TMPDIR to a larger disk, or give fewer --steps"
+        ) from None
+
+
 class StepFile(Mapping):
     """One step's stored tensors of one kind, loaded on access (a ``Mapping`` for
     ``Recorder.compare_all``); ``None`` for a gradient the original did not have."""
@@ -109,6 +120,10 @@ class StepReader:
     def __exit__(self, *exc) -> None:
         self._f.close()
 
+    def names(self) -> list[str]:
+        """The file's tensor names, in its order."""
+        return [k for k in self._header if k != "__metadata__"]
+
     def get_tensor(self, name: str) -> torch.Tensor:
         info = self._header[name]
         start, end = info["data_offsets"]
@@ -144,13 +159,7 @@ class ReferenceStore:
             self._names[(step, kind)] = list(tensors)
             self._none[(step, kind)] = {n for n, t in tensors.items() if t is None}
             flat.update({f"{kind}/{n}": t for n, t in tensors.items() if t is not None})
-        try:
-            write_tensors(self._file(step), flat)
-        except OSError as exc:
-            raise YafsdpError(
-                f"verify could not keep the original's tensors in {self._dir} ({exc.strerror}); "
-                "free disk space there, set TMPDIR to a larger disk, or give fewer --steps"
-            ) from None
+        keep_on_disk(self._file(step), flat)
 
     def open_step(self, step: int, device: str = "cpu") -> StepReader:
         """A reader of the step's file (use as a context manager), its tensors loaded
