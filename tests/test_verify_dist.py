@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import gloo_exit
 import pytest
 from conftest import SAMPLE_NAMES
 from typer.testing import CliRunner
@@ -121,3 +122,19 @@ def test_torchrun_environment(monkeypatch):
     assert launched_by_torchrun()
     with pytest.raises(YafsdpError, match="--world-size 3 but torchrun started 2 ranks"):
         torchrun_rank(None, "sample_models.models:mlp", False, VerifyOptions(world_size=3))
+
+
+def test_a_rank_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
+    """Threads of a group still alive at exit were ended by the interpreter's
+    finalization: SIGABRT ("terminate called without an active exception") on about
+    1 torchrun launch in 12. Deterministic here: count them after the group is gone."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        gloo_exit.worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn"
+    )
+    for rank in range(2):
+        ok, during, after = map(int, (tmp_path / f"rank{rank}").read_text().split())
+        assert ok == 1
+        assert during > 0  # the count sees the group's threads while it lives
+        assert after == 0, f"rank {rank}: {after} gloo threads outlive destroy_process_group"

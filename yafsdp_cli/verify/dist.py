@@ -28,7 +28,6 @@ What every rank does, per step (see ``sharded.ShardedFlat`` for the runtime):
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import os
 import pickle
@@ -108,19 +107,9 @@ def torchrun_rank(source, model, trust_pickle, opts: VerifyOptions) -> VerifyRep
 
 
 def leave_group() -> None:
-    """``destroy_process_group``, then free what still holds the group now.
-
-    Why: the run's objects that reach the group (the sharded model's hooks, the
-    communicator) sit in reference cycles, so the group's C++ object was freed only
-    by the interpreter's last collection at exit. Its gloo worker threads then try
-    to take the GIL of an interpreter that is shutting down, which ends them with a
-    forced unwind: "terminate called without an active exception" and SIGABRT, on
-    about 1 torchrun launch in 12 under load (gdb: a ``pt_gloo_runloop`` thread,
-    the main thread in ``Py_FinalizeEx``'s collection). Collected here, the group is
-    destroyed while the interpreter still serves its threads (its binding releases
-    the GIL while it joins them)."""
+    """``destroy_process_group``: with ``_init``'s early dynamo import, the group's C++
+    object, and its gloo threads, end here rather than in the interpreter's exit."""
     dist.destroy_process_group()
-    gc.collect()
 
 
 def is_primary() -> bool:
@@ -197,6 +186,17 @@ def _first_error(tmp: Path, exc: Exception) -> str:
 
 
 def _init(rank: int, world: int, init_method: str, device: str) -> None:
+    # Dynamo must be imported before the group exists. Imported later (torch imports
+    # it lazily, e.g. for the first random fill of a meta tensor when an architecture
+    # is built), it keeps a reference to the default group that outlives
+    # destroy_process_group (torch 2.13), so the group and its gloo worker threads
+    # were freed only by the interpreter's exit, where a thread taking the GIL is
+    # ended by a forced unwind: "terminate called without an active exception",
+    # SIGABRT, about 1 torchrun launch in 12 under load. (gdb: a pt_gloo_runloop
+    # thread, the main thread in Py_FinalizeEx; tests/test_verify_dist.py counts the
+    # threads left after the group is destroyed.)
+    import torch._dynamo  # noqa: F401
+
     backend = "gloo"
     if device == "cuda":
         if not torch.cuda.is_available():
