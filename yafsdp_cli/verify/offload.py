@@ -42,9 +42,6 @@ class OffloadedOptimizer:
         self._devices: list[dict] = [{} for _ in self._slots]  # name -> device of each tensor
         self._held: list[int] = []  # bytes of each state tensor after the last step
 
-    def __bool__(self) -> bool:
-        return bool(self._slots)
-
     def step(self, *, last: bool = False) -> None:
         """Every parameter's step in turn; with ``last`` the state is dropped, not kept."""
         self._held = []
