@@ -43,6 +43,9 @@ from .crc import crc32, crc32_zeros
 COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer; copy_methods: 1-16 MiB all equal
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
 OVERLAP_MIN = 8 * 1024 * 1024  # ranges this long are read back by a second thread
+RESERVE_MIN = 1024 * 1024  # data this long has its output blocks allocated first
+# errno values that are the output's fault (``writer.staged_output`` names the output)
+_OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # errno values that mean "this method does not work for these files", not "the copy failed"
 _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 _UNSUPPORTED |= {getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -170,6 +173,7 @@ class Copier:
         self.disabled: set[str] = set()  # "copy_file_range", "sendfile"
         self._stop: threading.Event | None = None  # set: a reading thread should stop
         self.used: dict[str, int] = {}  # method -> bytes moved with it
+        self.reserve = True  # allocate output blocks before copying (off once refused)
 
     def _buffer(self) -> memoryview:
         if self._view is None:
@@ -241,13 +245,32 @@ class Copier:
                     self._count("hole", n)
                     if tick:
                         tick(n)
-                elif kernel:
+                    continue
+                self._reserve(dst_fd, at, n)
+                if kernel:
                     self._kernel_copy(fd, src.path, start, dst_fd, at, n, tick)
                 else:
                     crc = self._buffered(fd, src.path, start, dst_fd, at, n, crc, tick)
         finally:
             os.close(fd)
         return crc
+
+    def _reserve(self, dst_fd: int, at: int, n: int) -> None:
+        """Allocate the output's blocks under ``[at, at + n)`` before they are written
+        (``fallocate``): the write path then finds them mapped instead of reserving
+        each 4 KiB block for delayed allocation on the way. Measured on ext4 (the
+        1.24 GiB benchmark file, in-process, min of 6): the kernel copy 0.29 s alone,
+        0.21 s after ``fallocate``; ``cp`` 0.31 s. Only data is reserved, so holes stay
+        holes. A full disk is the output's error (before a byte is copied); a file
+        system without ``fallocate`` is not asked again."""
+        if n < RESERVE_MIN or not self.reserve:
+            return
+        try:
+            allocate(dst_fd, at, n)
+        except OSError as exc:
+            if exc.errno in _OUTPUT_FULL:
+                raise
+            self.reserve = False
 
     def crc_of(self, src: FileRange, visit=None, tick=None) -> int:
         """The CRC-32 of ``src`` (read, not copied); ``visit(pos, chunk)`` sees each
@@ -366,6 +389,42 @@ def open_range(src: FileRange) -> int:
             "its header promises (truncated file)"
         )
     return fd
+
+
+_FALLOCATE: list = []  # [libc's fallocate, or None], looked up on first use
+
+
+def allocate(fd: int, offset: int, nbytes: int) -> None:
+    """``fallocate(fd, 0, offset, nbytes)``: blocks for the range, the size unchanged
+    when the range ends inside the file. libc's ``fallocate`` through ``ctypes``, not
+    ``os.posix_fallocate``, because glibc's ``posix_fallocate`` writes zeros into
+    every block where the file system has no ``fallocate``: slow, and a reservation
+    that costs a write is no saving. Raises ``OSError`` (``EOPNOTSUPP`` where there is
+    no ``fallocate``)."""
+    if not _FALLOCATE:
+        _FALLOCATE.append(_libc_fallocate())
+    call = _FALLOCATE[0]
+    if call is None:
+        raise OSError(errno.EOPNOTSUPP, "no fallocate here")
+    if call(fd, 0, offset, nbytes) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _libc_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
 
 
 def write_at(fd: int, data, offset: int, path: Path | str = "the output") -> None:
