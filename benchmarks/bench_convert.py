@@ -33,7 +33,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import DATA, PYTHON, ROOT, YAFSDP, MiB, Run, measure, median_run, verdict
+from .common import (
+    DATA,
+    PYTHON,
+    ROOT,
+    YAFSDP,
+    MiB,
+    Run,
+    compile_package,
+    measure,
+    median_run,
+    verdict,
+)
 
 LAYERS, HIDDEN, INTER, VOCAB = 4, 2048, 5504, 32000
 REPEAT = 5
@@ -168,6 +179,7 @@ def _output(argv: list[str]) -> Path:
 
 def main() -> bool:
     DATA.mkdir(parents=True, exist_ok=True)
+    compile_package()
     print(f"  load average before: {os.getloadavg()[0]:.2f} (2 cores)")
     src = DATA / "llama-1.2g-fp32.safetensors"
     make_checkpoint(src)
@@ -185,17 +197,14 @@ def _run_all(src: Path, scratch: Path) -> bool:
     _warm(src)
     _warm(flat)
     floor = median_run([PYTHON, "-c", "pass"], REPEAT)
-    tiny = scratch / "tiny.safetensors"
-    mlp = str(ROOT / "sample_models" / "mlp.safetensors")
-    starts = [_fresh([YAFSDP, "convert", mlp, "-o", str(tiny)], tiny) for _ in range(REPEAT)]
-    start_s = statistics.median(r.wall_s for r in starts)
-    start_cpu = statistics.median(r.cpu_s for r in starts)
+    start_s, start_cpu = _startup(scratch, ["--json"])
+    human_s, human_cpu = _startup(scratch, [])
     gib = src.stat().st_size / 1024**3
     print(f"  input {src.name}: {gib:.2f} GiB, {len(llama_shapes())} tensors")
     print(f"  interpreter floor (python -c pass): {floor.peak_rss_bytes / MiB:.0f} MiB RSS")
     print(
-        f"  startup floor (yafsdp convert of a 12 KiB file): {start_s:.3f} s wall, "
-        f"{start_cpu:.3f} s CPU, no bar"
+        f"  startup floor (yafsdp convert of a 12 KiB file --json): {start_s:.3f} s wall, "
+        f"{start_cpu:.3f} s CPU (without --json: {human_s:.3f} s, {human_cpu:.3f} s), no bar"
     )
     ok = True
     for name, argv, cp_src, bar in cases(src, flat, scratch):
@@ -213,6 +222,15 @@ def _run_all(src: Path, scratch: Path) -> bool:
         ok &= verdict(f"{name} peak RSS", p.peak_rss_bytes / MiB, rss_bar, "MiB")
         _remove(_output(argv))
     return ok
+
+
+def _startup(scratch: Path, flags: list[str]) -> tuple[float, float]:
+    """Median wall and CPU seconds of `yafsdp convert` of the 12 KiB sample model."""
+    tiny = scratch / "tiny.safetensors"
+    mlp = str(ROOT / "sample_models" / "mlp.safetensors")
+    argv = [YAFSDP, "convert", mlp, "-o", str(tiny), *flags]
+    starts = [_fresh(argv, tiny) for _ in range(REPEAT)]
+    return statistics.median(r.wall_s for r in starts), statistics.median(r.cpu_s for r in starts)
 
 
 def keeps_holes(folder: Path) -> bool:

@@ -4,12 +4,17 @@ Copies the 1.24 GiB benchmark checkpoint (bench_convert) whole, file to file, in
 this process, with each way ``Copier`` can do it, beside ``cp`` of the same file;
 every method runs once per round, in a shuffled order, REPEAT rounds, each output
 deleted and ``sync`` run before each copy (outside the timing). No bar: this is
-the evidence for the choice (see README "Copying at the speed of cp"):
+the evidence for the choice (see README "Copying at the speed of cp"). Each line
+gives the wall time and the CPU time (user + system, both threads, cp's too): on
+a machine shared with other jobs the CPU time is the steadier figure.
 
-* kernel copy, no checksum: what restore does after verifying (copy_file_range);
+* kernel copy, no checksum (copy_file_range, sendfile), with the output's blocks
+  allocated first (``fallocate``, what Copier does) and without;
 * kernel copy, then the checksum read back from the page cache (two passes), and
-  the same with the read back in a second thread meanwhile (what Copier does);
-* one buffered pass (preadv into one buffer, CRC-32, pwrite): convert and reshard;
+  the same with the read back in a second thread meanwhile (what Copier does), with
+  and without ``fallocate``;
+* one buffered pass (preadv into one buffer, CRC-32, pwrite): what Copier does
+  where neither kernel copy works;
 * the same with zlib's CRC-32 instead of isal's, and with other buffer sizes.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import statistics
 import subprocess
 import time
@@ -45,20 +51,28 @@ def methods(src: Path, out: Path) -> dict:
     size = src.stat().st_size
     whole = FileRange(src, 0, size)
 
-    def kernel(fd, disable=()):
+    def kernel(fd, disable=(), reserve=True):
         c = Copier()
         c.disabled.update(disable)
+        c.reserve = reserve
         c.copy(whole, fd, 0)
 
     def kernel_then_crc(fd):
         kernel(fd)
         Copier().hash(whole, Checksum())
 
-    def kernel_with_crc_thread(fd):  # what Copier.copy does with a digest
-        Copier().copy(whole, fd, 0, Checksum())
+    def kernel_with_crc_thread(fd, reserve=True):  # what Copier.copy does with a digest
+        c = Copier()
+        c.reserve = reserve
+        c.copy(whole, fd, 0, Checksum())
 
     def one_pass(buffer_bytes):
-        return lambda fd: Copier(buffer_bytes).copy(whole, fd, 0, Checksum())
+        def copy(fd):
+            c = Copier(buffer_bytes)
+            c.disabled.update({"copy_file_range", "sendfile"})  # as where both are refused
+            c.copy(whole, fd, 0, Checksum())
+
+        return copy
 
     def one_pass_zlib(fd):
         fast, crc_mod._fast_crc32 = crc_mod._fast_crc32, None
@@ -70,15 +84,24 @@ def methods(src: Path, out: Path) -> dict:
     table = {
         "cp": None,
         "copy_file_range, no checksum": kernel,
+        "the same, no fallocate": lambda fd: kernel(fd, reserve=False),
         "sendfile, no checksum": lambda fd: kernel(fd, ("copy_file_range",)),
         "copy_file_range + CRC read back": kernel_then_crc,
         "the same, read back by a 2nd thread": kernel_with_crc_thread,
+        "the same, no fallocate ": lambda fd: kernel_with_crc_thread(fd, reserve=False),
         "one pass, 1 MiB buffer": one_pass(MiB),
         "one pass, 4 MiB buffer": one_pass(4 * MiB),
         "one pass, 16 MiB buffer": one_pass(16 * MiB),
         "one pass, 4 MiB, zlib CRC": one_pass_zlib,
     }
     return {k: (lambda w=w: _copy_into(out, size, w)) if w else None for k, w in table.items()}
+
+
+def _cpu_s() -> float:
+    """User + system CPU of this process (both threads) and of waited-for children (cp)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> bool:
@@ -88,6 +111,7 @@ def main() -> bool:
     Copier().hash(FileRange(src, 0, src.stat().st_size), Checksum())  # warm the cache
     table = methods(src, out)
     times: dict[str, list[float]] = {k: [] for k in table}
+    cpus: dict[str, list[float]] = {k: [] for k in table}
     print(f"  load average before: {os.getloadavg()[0]:.2f}; CRC backend {crc_mod.backend()}")
     rng = random.Random(0)
     for _ in range(REPEAT):
@@ -97,17 +121,21 @@ def main() -> bool:
             if out.exists():
                 out.unlink()
             os.sync()
-            start = time.perf_counter()
+            cpu, start = _cpu_s(), time.perf_counter()
             if table[name] is None:
                 subprocess.run(["cp", str(src), str(out)], check=True)
             else:
                 table[name]()
             times[name].append(time.perf_counter() - start)
+            cpus[name].append(_cpu_s() - cpu)
     out.unlink()
     cp = statistics.median(times["cp"])
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"  {name:<34} median {m:.3f} s  ({m / cp:.2f}x cp)  min {min(ts):.3f} s")
+        print(
+            f"  {name:<36} median {m:.3f} s ({m / cp:.2f}x cp), min {min(ts):.3f} s; "
+            f"CPU median {statistics.median(cpus[name]):.3f} s, min {min(cpus[name]):.3f} s"
+        )
     print(f"  load average after: {os.getloadavg()[0]:.2f}")
     return True
 

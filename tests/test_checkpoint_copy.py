@@ -439,3 +439,69 @@ def test_ctrl_c_during_the_kernel_copy_stops_the_read_back_thread(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7, Checksum())
     assert not [t for t in threading.enumerate() if t.name == "yafsdp-crc"]
+
+
+# ------------------------------------------------------------------ reserving output blocks
+
+
+def _can_allocate(folder: Path) -> bool:
+    probe = folder / "probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
+    try:
+        copy_mod.allocate(fd, 0, MiB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def test_output_blocks_are_allocated_before_the_kernel_copy_writes_them(tmp_path, monkeypatch):
+    if not _can_allocate(tmp_path):
+        pytest.skip("this file system has no fallocate")
+    src, data = _source(tmp_path)
+    dst = tmp_path / "d"
+    real, seen = os.copy_file_range, []
+
+    def spy(fd_in, fd_out, n, off_in, off_out):
+        seen.append(os.fstat(fd_out).st_blocks * 512)
+        return real(fd_in, fd_out, n, off_in, off_out)
+
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    copier = Copier()
+    out = _copy(copier, FileRange(src, 0, len(data)), dst, len(data) + 7, Checksum())
+    assert out[7:] == data and copier.reserve
+    assert seen and seen[0] >= len(data)  # every block there before the first byte
+    assert os.stat(dst).st_size == len(data) + 7  # the size is the writer's, unchanged
+
+
+def test_a_full_disk_when_reserving_is_the_outputs_error_before_any_copy(tmp_path, monkeypatch):
+    src, data = _source(tmp_path)
+    monkeypatch.setattr(copy_mod, "allocate", _fail(errno.ENOSPC))
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: pytest.fail("copied anyway"))
+    with pytest.raises(OSError) as info:
+        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_without_fallocate_the_copy_goes_on_and_does_not_ask_again(tmp_path, monkeypatch):
+    src, data = _source(tmp_path)
+    asked = []
+
+    def refuse(*args):
+        asked.append(args)
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(copy_mod, "allocate", refuse)
+    copier = Copier()
+    for name in ("d", "e"):
+        out = _copy(copier, FileRange(src, 0, len(data)), tmp_path / name, len(data) + 7)
+        assert out[7:] == data
+    assert len(asked) == 1 and not copier.reserve
+
+
+def test_small_pieces_are_not_reserved(tmp_path, monkeypatch):
+    src, data = _source(tmp_path, copy_mod.RESERVE_MIN - 1)
+    monkeypatch.setattr(copy_mod, "allocate", lambda *a: pytest.fail("reserved"))
+    assert _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)[7:] == data

@@ -1,4 +1,5 @@
-"""Reading files defensively: JSON documents and byte ranges, errors as project errors."""
+"""Files, defensively: JSON documents and byte ranges read with errors as project
+errors, and output space reserved (``allocate``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import errno
 import json
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,3 +79,39 @@ def read_chunks(
                 yield view[:n]
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
+
+
+_FALLOCATE: list = []  # [libc's fallocate, or None], looked up on first use
+
+
+def allocate(fd: int, offset: int, nbytes: int) -> None:
+    """``fallocate(fd, 0, offset, nbytes)``: blocks for the range, the size unchanged
+    when the range ends inside the file. libc's ``fallocate`` through ``ctypes``, not
+    ``os.posix_fallocate``, because glibc's ``posix_fallocate`` writes zeros into
+    every block where the file system has no ``fallocate``: slow, and a reservation
+    that costs a write is no saving. Raises ``OSError`` (``EOPNOTSUPP`` where there is
+    no ``fallocate``)."""
+    if not _FALLOCATE:
+        _FALLOCATE.append(_libc_fallocate())
+    call = _FALLOCATE[0]
+    if call is None:
+        raise OSError(errno.EOPNOTSUPP, "no fallocate here")
+    if call(fd, 0, offset, nbytes) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _libc_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call

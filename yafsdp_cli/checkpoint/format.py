@@ -24,7 +24,6 @@ A sharded set is a folder holding ``rank-RRRRR-of-NNNNN.safetensors`` and
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,7 +90,11 @@ class Checksum:
             raise CheckpointError(f"unknown checksum algorithm {algo!r}; known: crc32, sha256")
         self.algo = algo
         self._crc = 0
-        self._sha = hashlib.sha256() if algo == "sha256" else None
+        self._sha = None
+        if algo == "sha256":  # read only, never written: hashlib (OpenSSL) loads here
+            import hashlib
+
+            self._sha = hashlib.sha256()
 
     def update(self, data) -> None:
         if self._sha is not None:

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import struct
 from collections.abc import Iterator, Sequence
@@ -242,13 +241,18 @@ def _samefile(a: Path, b: Path) -> bool:
         return False
 
 
+def _token() -> str:
+    """8 random hex digits for a temporary's name (``secrets`` costs ms to import)."""
+    return os.urandom(4).hex()
+
+
 class Staged:
     """A temporary output beside its target; ``keep = False`` discards it."""
 
     def __init__(self, out: Path, folder: bool):
         self.out = out
         self.folder = folder
-        self.temp = out.parent / f".{out.name}.yafsdp-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.temp = out.parent / f".{out.name}.yafsdp-tmp-{os.getpid()}-{_token()}"
         self.keep = True
 
     def remove_temp(self) -> None:
@@ -262,7 +266,7 @@ class Staged:
         if not self.folder or not self.out.exists():
             os.replace(self.temp, self.out)  # atomic for a file; a new folder's name
             return
-        old = self.out.parent / f".{self.out.name}.yafsdp-old-{secrets.token_hex(4)}"
+        old = self.out.parent / f".{self.out.name}.yafsdp-old-{_token()}"
         os.rename(self.out, old)
         try:
             os.rename(self.temp, self.out)

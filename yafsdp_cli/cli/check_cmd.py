@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from .app import app
 from .common import (
     EXIT_CHECK_FAILED,
     ExcludeOpt,
@@ -22,6 +21,7 @@ from .common import (
     stdout,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
+from .root import app
 
 AS_RECORDED = "Default: as the baseline recorded it."
 

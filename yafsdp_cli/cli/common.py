@@ -8,12 +8,14 @@ import sys
 import traceback
 import warnings
 from collections.abc import Iterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from ..errors import YafsdpError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # torch warns at import when numpy is missing; that is noise for a CLI user.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -21,8 +23,35 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 FORMATS = ("table", "json", "markdown")
 
-stdout = Console(highlight=False, soft_wrap=False)
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class LazyConsole:
+    """A Rich ``Console`` made on first use, so that a command that renders nothing
+    with Rich (``--json``, a copy that shows no bar) does not import Rich at all."""
+
+    def __init__(self, **options):
+        self._options = options
+        self._console: Console | None = None
+
+    def get(self) -> Console:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return self._console
+
+    def __getattr__(self, name: str):  # print, is_terminal...: the real console's
+        if name.startswith("_"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.get(), name)
+
+
+def real_console(console) -> Console:
+    """The Rich ``Console`` behind ``console`` (a ``LazyConsole`` or a console)."""
+    return console.get() if isinstance(console, LazyConsole) else console
+
+
+stdout = LazyConsole(highlight=False, soft_wrap=False)
+stderr = LazyConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 class State:

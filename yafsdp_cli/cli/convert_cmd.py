@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from .app import app
 from .common import (
     EXIT_CHECK_FAILED,
     AlignOpt,
@@ -24,6 +23,7 @@ from .common import (
     stdout,
 )
 from .progress import ProgressBar
+from .root import app
 
 OutputOpt = Annotated[
     Path,

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from .app import app
 from .common import (
     AlignOpt,
     ExcludeOpt,
@@ -23,6 +22,7 @@ from .common import (
     stdout,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
+from .root import app
 
 
 @app.command("inspect")

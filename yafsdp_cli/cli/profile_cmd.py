@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from .app import app
 from .common import (
     AlignOpt,
     ExcludeOpt,
@@ -23,6 +22,7 @@ from .common import (
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .progress import StageBar
+from .root import app
 from .verify_cmd import (
     BatchOpt,
     DeviceOpt,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .common import stderr
+from .common import real_console, stderr
 
 
 class ProgressBar:
@@ -43,7 +43,7 @@ class ProgressBar:
             self.bar = Progress(
                 *columns,
                 TimeRemainingColumn(),
-                console=self.console,
+                console=real_console(self.console),
                 transient=True,
                 auto_refresh=False,  # no refresh thread taking the GIL; we refresh below
             )
@@ -107,7 +107,7 @@ class StageBar:
             self.bar = Progress(
                 *columns,
                 TimeElapsedColumn(),
-                console=self.console,
+                console=real_console(self.console),
                 transient=True,
                 refresh_per_second=4,
             )

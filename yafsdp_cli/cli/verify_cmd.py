@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from ..errors import YafsdpError
-from .app import app
 from .common import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
@@ -26,6 +25,7 @@ from .common import (
     stdout,
 )
 from .progress import WaitBar
+from .root import app
 
 SourceArg = Annotated[
     str | None,

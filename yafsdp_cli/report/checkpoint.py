@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import PurePath
-
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from ..checkpoint.results import (
     CheckpointInfo,
@@ -20,6 +18,10 @@ from ..checkpoint.results import (
     RoundTrip,
 )
 from .common import human_bytes, human_count, json_document, rich_table
+
+if TYPE_CHECKING:  # Rich is imported by the views only: the JSON documents never need it
+    from rich.table import Table
+    from rich.text import Text
 
 SCHEMA_CONVERT = "yafsdp.convert/1"
 SCHEMA_RESTORE = "yafsdp.restore/1"
@@ -47,6 +49,8 @@ def _fields(result) -> dict:
 
 
 def convert_view(result: ConvertResult) -> list:
+    from rich.text import Text
+
     ck = result.checkpoint
     if result.written:
         head = f"wrote {_where(ck)}"
@@ -70,6 +74,8 @@ def convert_view(result: ConvertResult) -> list:
 
 
 def restore_view(result: RestoreResult) -> list:
+    from rich.text import Text
+
     tied = f", {len(result.tied)} tied names stored once" if result.tied else ""
     return [
         Text(
@@ -86,6 +92,8 @@ def restore_view(result: RestoreResult) -> list:
 
 
 def reshard_view(result: ReshardResult) -> list:
+    from rich.text import Text
+
     ck = result.checkpoint
     was = "sharded set" if result.input_sharded else "one file"
     lines = [
@@ -108,6 +116,8 @@ def _where(ck: CheckpointInfo) -> str:
 
 
 def verify_text(v: RoundTrip) -> Text:
+    from rich.text import Text
+
     if v.ok:
         return Text(
             f"verified: {v.tensors} tensors ({human_bytes(v.nbytes)}) read back bit for bit; "
@@ -125,6 +135,8 @@ def verify_text(v: RoundTrip) -> Text:
 
 def buffers_table(ck: CheckpointInfo) -> Table:
     """One row per buffer; long names fold rather than being cut."""
+    from rich.table import Table
+
     table = Table(title="flat buffers", title_justify="left", header_style="bold")
     table.add_column("buffer (tensor name)", overflow="fold", ratio=1)
     for h in ("params", "numel", "padded", "per rank", "bytes"):

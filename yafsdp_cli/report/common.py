@@ -7,9 +7,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
+if TYPE_CHECKING:  # Rich is imported when a table is made: --json never needs it
+    from rich.table import Table
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -63,6 +64,8 @@ def rich_table(
     rows: Sequence[Sequence[Any]],
     right: Sequence[int] = (),
 ) -> Table:
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left", header_style="bold")
     for i, h in enumerate(headers):
         table.add_column(h, justify="right" if i in right else "left")
@@ -119,6 +122,7 @@ def section_table(s: Section, *, fold_names: bool = True) -> Table:
     """A Rich table of ``s``; cells are Text, not markup (names hold brackets). Name
     columns fold in the middle when the terminal is narrow (full with ``fold_names``
     off: ``--all``)."""
+    from rich.table import Table
     from rich.text import Text
 
     table = Table(
