@@ -225,3 +225,52 @@ def test_ctrl_c_ends_a_plan_and_its_workers(after_s):
     assert len(lines) == 1 and "interrupted" in lines[0], err
     time.sleep(0.5)
     assert not any(alive(w) for w in workers), "a worker outlived the plan"
+
+
+_INTERRUPT_IN_A_FINALIZER = """
+import multiprocessing, signal, sys, time, weakref
+import torch
+from yafsdp_cli.cli.common import interrupt_ends_at_once
+
+def ring(_ref):  # Ctrl-C arriving while torch frees a storage: a finalizer runs
+    signal.raise_signal(signal.SIGINT)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    keep = []
+    with interrupt_ends_at_once() if sys.argv[1] == "guarded" else open(__file__):
+        child.start()
+        print(child.pid, flush=True)
+        x = torch.randn(1000)
+        keep.append(weakref.ref(x.untyped_storage(), ring))
+        del x
+        time.sleep(0.5)
+    child.terminate()
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_ctrl_c_inside_a_torch_finalizer(tmp_path, guarded):
+    """Python runs a KeyboardInterrupt raised in a finalizer as 'Exception ignored' and
+    goes on (or, from a C++ destructor, ends in std::terminate). Around plan's and
+    profile's computation Ctrl-C ends the command at once: one line, exit 130, no child
+    left. The unguarded case shows what the guard is for."""
+    script = tmp_path / "interrupt.py"
+    script.write_text(_INTERRUPT_IN_A_FINALIZER)
+    mode = "guarded" if guarded else "bare"
+    done = subprocess.run(
+        [sys.executable, str(script), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    child = int(done.stdout.split()[0])
+    time.sleep(0.5)
+    assert not alive(child), "a child outlived the command"
+    if guarded:
+        assert done.returncode == 130, done.stderr
+        assert done.stderr.strip().splitlines() == ["error: interrupted; no output was written"]
+    else:  # the interrupt is swallowed: the program runs on and exits 0
+        assert done.returncode == 0 and "Exception ignored" in done.stderr, done.stderr

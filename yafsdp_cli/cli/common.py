@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -101,6 +103,48 @@ def errors_to_exit() -> Iterator[None]:
             traceback.print_exc(file=sys.stderr)
         hint = "" if State.debug else " (rerun with --debug for the traceback)"
         raise fail(_escape(f"internal error: {type(exc).__name__}: {exc}{hint}")) from None
+
+
+INTERRUPTED = "error: interrupted; no output was written\n"
+
+
+@contextlib.contextmanager
+def interrupt_ends_at_once() -> Iterator[None]:
+    """Around a computation that writes nothing (plan's and profile's steps): Ctrl-C
+    ends the command there and then, with one line, exit 130 and child processes
+    terminated, instead of raising KeyboardInterrupt wherever the main thread is.
+
+    Why: raised inside a Python callback that torch's C++ runs where no exception can
+    pass (such as a storage's weakref finalizer, which the memory tracker keeps, run
+    from a destructor), KeyboardInterrupt ends the process in ``std::terminate``
+    ("terminate called without an active exception", SIGABRT): seen under load in
+    ``test_ctrl_c_ends_a_plan_and_its_workers``. Nothing is being written meanwhile,
+    so nothing needs the unwinding that ``errors_to_exit`` gives a write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(_signum, _frame) -> None:
+        import multiprocessing
+        import multiprocessing.util
+
+        if sys.stderr.isatty():
+            sys.stderr.write("\x1b[?25h\n")  # a progress bar's hidden cursor back
+        sys.stderr.write(INTERRUPTED)
+        sys.stderr.flush()
+        for child in multiprocessing.active_children():
+            child.terminate()
+        # then what multiprocessing's own exit hook does: pools finished, their
+        # semaphores unlinked (else its resource tracker warns of leaked ones)
+        with contextlib.suppress(Exception):
+            multiprocessing.util._exit_function()
+        os._exit(130)
+
+    before = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def check_format(fmt: str, json_out: bool) -> str:

@@ -17,6 +17,7 @@ from .common import (
     UnitOpt,
     check_format,
     errors_to_exit,
+    interrupt_ends_at_once,
     stdout,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
@@ -128,7 +129,8 @@ def plan_command(
             jobs=jobs,
             seed=seed,
         )
-        report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
+        with interrupt_ends_at_once():
+            report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         from ..report import plan as view
 
         if html is not None:

@@ -18,6 +18,7 @@ from .common import (
     WorldSizeOpt,
     check_format,
     errors_to_exit,
+    interrupt_ends_at_once,
     stdout,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
@@ -143,7 +144,7 @@ def profile_command(
             grad_dtype=grad_dtype,
             checkpointing=checkpointing,
         )
-        with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar:
+        with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar, interrupt_ends_at_once():
             report = profile_source(
                 source, model=model, trust_pickle=trust_pickle, opts=opts, progress=bar
             )
