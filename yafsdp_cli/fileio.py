@@ -4,6 +4,7 @@ errors, and output space reserved (``allocate``)."""
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import stat
@@ -81,9 +82,6 @@ def read_chunks(
         raise error(f"{path}: cannot read ({exc.strerror})") from None
 
 
-_FALLOCATE: list = []  # [libc's fallocate, or None], looked up on first use
-
-
 def allocate(fd: int, offset: int, nbytes: int) -> None:
     """``fallocate(fd, 0, offset, nbytes)``: blocks for the range, the size unchanged
     when the range ends inside the file. libc's ``fallocate`` through ``ctypes``, not
@@ -91,9 +89,7 @@ def allocate(fd: int, offset: int, nbytes: int) -> None:
     every block where the file system has no ``fallocate``: slow, and a reservation
     that costs a write is no saving. Raises ``OSError`` (``EOPNOTSUPP`` where there is
     no ``fallocate``)."""
-    if not _FALLOCATE:
-        _FALLOCATE.append(_libc_fallocate())
-    call = _FALLOCATE[0]
+    call = _libc_fallocate()
     if call is None:
         raise OSError(errno.EOPNOTSUPP, "no fallocate here")
     if call(fd, 0, offset, nbytes) != 0:
@@ -103,6 +99,7 @@ def allocate(fd: int, offset: int, nbytes: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+@functools.cache  # looked up on first use
 def _libc_fallocate():
     if not sys.platform.startswith("linux"):
         return None

@@ -353,7 +353,7 @@ class Copier:
                     os.lseek(dst_fd, at + done, os.SEEK_SET)
                     got = os.sendfile(dst_fd, fd, offset + done, step)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                if exc.errno in _OUTPUT_FULL:
                     raise  # the output's fault: writer.staged_output names the output
                 if exc.errno not in _UNSUPPORTED:
                     raise CheckpointError(f"{path}: copy failed ({exc.strerror})") from None
