@@ -99,8 +99,11 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _fresh(argv: list[str], out: Path) -> Run:
-    _remove(out)
+def _fresh(argv: list[str], out: Path, *others: Path) -> Run:
+    """Run ``argv`` after removing its output and every other output of the pair
+    (``others``), so that both commands of a pair start from the same page cache."""
+    for path in (out, *others):
+        _remove(path)
     os.sync()  # no writeback of an earlier run's output competes with this one
     run = measure(argv)
     if run.returncode != 0:
@@ -131,8 +134,8 @@ def paired(name: str, argv: list[str], out: Path, src: Path, scratch: Path) -> P
     runs, cps = [], []
     for i in range(REPEAT):
         first, second = (argv, cp) if i % 2 else (cp, argv)
-        a = _fresh(first, out if first is argv else cp_out)
-        b = _fresh(second, out if second is argv else cp_out)
+        a = _fresh(first, *((out, cp_out) if first is argv else (cp_out, out)))
+        b = _fresh(second, *((out, cp_out) if second is argv else (cp_out, out)))
         run, c = (a, b) if first is argv else (b, a)
         runs.append(run)
         cps.append(c)

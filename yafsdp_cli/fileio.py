@@ -16,6 +16,9 @@ from typing import Any
 from .errors import SourceError, YafsdpError
 
 CHUNK_BYTES = 16 * 1024 * 1024
+# errno values of a failed write that are the output's fault, not the input's:
+# ``checkpoint.writer.staged_output`` names the output
+OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def require_file(path: Path, *, error: type[YafsdpError] = SourceError) -> int:

@@ -7,6 +7,11 @@ after the other in the source is one range. ``Copier`` moves a range into an
 output file that was sized in advance (``ftruncate``), so ``Zeros`` and the holes
 of a sparse source are simply not written: they read back as zeros and stay holes.
 
+A range of ``direct.SPLIT_MIN`` (1 MiB) or more whose output file is named goes to
+``direct.SplitCopy``: by 4 MiB chunks, each the kernel's way (below) or written with
+``O_DIRECT``, whichever is faster at the moment (the page cache's speed swings on a
+VM). What follows is the kernel's way, and the whole path for shorter ranges.
+
 The kernel copies every range: ``os.copy_file_range``, else ``os.sendfile``, else
 buffered reads (a method that fails once with "not supported here" is not tried
 again; one that stops short is finished by the next). Before a data range of 1 MiB
@@ -44,15 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..fileio import allocate
+from ..fileio import OUTPUT_FULL, allocate
+from . import direct
 from .crc import crc32, crc32_zeros
 
 COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer; copy_methods: 1-16 MiB all equal
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
 OVERLAP_MIN = 8 * 1024 * 1024  # ranges this long are read back by a second thread
 RESERVE_MIN = 1024 * 1024  # data this long has its output blocks allocated first
-# errno values that are the output's fault (``writer.staged_output`` names the output)
-_OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # errno values that mean "this method does not work for these files", not "the copy failed"
 _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 _UNSUPPORTED |= {getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -180,7 +184,12 @@ class Copier:
         self.disabled: set[str] = set()  # "copy_file_range", "sendfile"
         self._stop: threading.Event | None = None  # set: a reading thread should stop
         self.used: dict[str, int] = {}  # method -> bytes moved with it
+        self._used_lock = threading.Lock()  # the direct workers count too
         self.reserve = True  # allocate output blocks before copying (off once refused)
+        self.direct = True  # split long ranges with O_DIRECT writes (off once refused)
+        self._direct_mmaps = None  # page-aligned buffers for O_DIRECT writes
+        self.rates = direct.Rates()
+        self.split_mode: str | None = None  # tests: "kernel" or "direct" instead of the rates
 
     def _buffer(self) -> memoryview:
         if self._view is None:
@@ -188,17 +197,33 @@ class Copier:
         return self._view
 
     def _count(self, method: str, n: int) -> None:
-        self.used[method] = self.used.get(method, 0) + n
+        with self._used_lock:
+            self.used[method] = self.used.get(method, 0) + n
 
-    def copy(self, src: FileRange, dst_fd: int, dst_off: int, digest=None, tick=None) -> None:
+    def copy(
+        self, src: FileRange, dst_fd: int, dst_off: int, digest=None, tick=None, dst_path=None
+    ) -> None:
         """``src``'s bytes to ``dst_fd`` at ``dst_off`` (which must already be that
         long, so skipped holes read as zeros); ``digest`` is extended by them.
 
-        The kernel copies; bytes that must be checksummed (a digest, or a ledger
-        that lacks them) are then read back from the page cache into the buffer.
-        Where no kernel method works, one buffered pass copies and checksums."""
+        A long range whose output file is named (``dst_path``) is split between the
+        kernel copy and direct writes (``direct.py``). Otherwise the kernel copies,
+        and bytes that must be checksummed (a digest, or a ledger that lacks them)
+        are then read back from the page cache into the buffer. Where no kernel
+        method works, one buffered pass copies and checksums."""
         known = self.ledger.get(src) if self.ledger is not None else None
-        if known is None and (digest is not None or self.ledger is not None):
+        want = known is None and (digest is not None or self.ledger is not None)
+        if dst_path is not None and src.nbytes >= direct.SPLIT_MIN and self.direct:
+            crc = self._split(src, dst_fd, dst_path, dst_off, want, tick)
+            if crc is not None:
+                if want:
+                    known = crc
+                    if self.ledger is not None:
+                        self.ledger.record(src, crc)
+                if digest is not None:
+                    digest.extend(known, src.nbytes)
+                return
+        if want:
             if self.kernel_available():
                 known = self._copy_and_read_back(src, dst_fd, dst_off, tick)
             else:
@@ -238,6 +263,55 @@ class Copier:
             raise box["error"]
         return box["crc"]
 
+    def _split(self, src: FileRange, dst_fd, dst_path, dst_off, want: bool, tick) -> int | None:
+        """Copy ``src`` by chunks, the kernel copy in this thread and direct writes in
+        workers (``direct.SplitCopy``); its CRC-32 (0 unless ``want``). None, with
+        nothing copied, where the output cannot be opened with O_DIRECT."""
+        fd = open_range(src)
+        try:
+            segments = list(data_segments(fd, src.offset, src.nbytes))
+            direct_fd = direct.open_direct(dst_path)
+            if direct_fd is None:
+                self.direct = False
+                return None
+            try:
+                for start, n, is_data in segments:
+                    if is_data:
+                        self._reserve(dst_fd, dst_off + start - src.offset, n)
+
+                def copy(c: direct.Chunk) -> None:
+                    self._kernel_copy(fd, src.path, c.src, dst_fd, c.dst, c.nbytes, None)
+
+                job = direct.SplitCopy(
+                    direct.plan(segments, src.offset, dst_off),
+                    fd,
+                    src.path,
+                    direct_fd,
+                    self._direct_buffers(),
+                    self.rates,
+                    want_crc=want,
+                    copy=copy,
+                    count=self._count,
+                    mode=self.split_mode,
+                )
+                crc = job.run(tick)
+                if job.refused:
+                    self.direct = False
+                return crc
+            finally:
+                os.close(direct_fd)
+        finally:
+            os.close(fd)
+
+    def _direct_buffers(self) -> list:
+        """Three page-aligned buffers (anonymous mmaps) for ``direct.SplitCopy``, made
+        once per Copier."""
+        if self._direct_mmaps is None:
+            import mmap
+
+            self._direct_mmaps = [mmap.mmap(-1, direct.CHUNK) for _ in range(3)]
+        return self._direct_mmaps
+
     def kernel_available(self) -> bool:
         return any(hasattr(os, m) and m not in self.disabled for m in _KERNEL_METHODS)
 
@@ -275,7 +349,7 @@ class Copier:
         try:
             allocate(dst_fd, at, n)
         except OSError as exc:
-            if exc.errno in _OUTPUT_FULL:
+            if exc.errno in OUTPUT_FULL:
                 raise
             self.reserve = False
 
@@ -353,7 +427,7 @@ class Copier:
                     os.lseek(dst_fd, at + done, os.SEEK_SET)
                     got = os.sendfile(dst_fd, fd, offset + done, step)
             except OSError as exc:
-                if exc.errno in _OUTPUT_FULL:
+                if exc.errno in OUTPUT_FULL:
                     raise  # the output's fault: writer.staged_output names the output
                 if exc.errno not in _UNSUPPORTED:
                     raise CheckpointError(f"{path}: copy failed ({exc.strerror})") from None
