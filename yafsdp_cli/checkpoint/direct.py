@@ -158,13 +158,11 @@ class SplitCopy:
       CRCs it there, and the worker writes that buffer with O_DIRECT (this thread
       reads the next chunk meanwhile).
 
-    A direct write holds the file's lock as the kernel copy does (ext4 serialises
-    them), so the two never run at once: a kernel copy is timed only when no direct
-    write is in flight, and the worker waits for that. While direct writing wins,
-    the kernel copy is timed again every ``RETIME_EVERY`` chunks (the page cache may
-    have become fast again); the first chunk of a range is a kernel copy, timed, and
-    the first range of a command writes one chunk direct, timed. ``run`` returns the
-    range's CRC (0 unless ``want_crc``); ``mode`` fixes the way (tests)."""
+    A direct write into new blocks holds the file's lock (ext4), so a kernel copy
+    is timed only when no direct write is in flight (this thread waits for that),
+    and a direct write that retimes its way is waited for before the next kernel
+    copy. The unaligned heads and tails go first, before any direct write. ``run``
+    returns the range's CRC (0 unless ``want_crc``); ``mode`` fixes the way (tests)."""
 
     def __init__(
         self,
