@@ -65,6 +65,20 @@ def _split_copy(copier: Copier, src: FileRange, dst: Path, at: int, size: int, d
     return dst.read_bytes()
 
 
+def _fail_direct_writes(monkeypatch, code: int) -> None:
+    """Every write through an O_DIRECT descriptor fails with ``code``."""
+    import fcntl
+
+    real = os.pwrite
+
+    def pwrite(fd, buf, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & direct.O_DIRECT:
+            raise OSError(code, os.strerror(code))
+        return real(fd, buf, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
 # ------------------------------------------------------------------ the plan
 
 
@@ -197,14 +211,7 @@ def test_without_o_direct_at_open_the_kernel_copies_and_it_is_not_asked_again(
 def test_a_refused_direct_write_is_copied_the_kernels_way(tmp_path, small_chunks, monkeypatch):
     """tmpfs and some network file systems open with O_DIRECT, then refuse the write."""
     src, data = _source(tmp_path)
-    real = os.pwrite
-
-    def pwrite(fd, buf, off):
-        if fcntl_flags(fd) & direct.O_DIRECT:
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real(fd, buf, off)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    _fail_direct_writes(monkeypatch, errno.EINVAL)
     copier, digest = Copier(), Checksum()
     copier.split_mode = "direct"
     out = _split_copy(
@@ -214,22 +221,9 @@ def test_a_refused_direct_write_is_copied_the_kernels_way(tmp_path, small_chunks
     assert not copier.direct and "direct" not in copier.used
 
 
-def fcntl_flags(fd: int) -> int:
-    import fcntl
-
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
-
-
 def test_a_full_disk_in_a_direct_write_is_the_outputs_error(tmp_path, small_chunks, monkeypatch):
     src, data = _source(tmp_path)
-    real = os.pwrite
-
-    def pwrite(fd, buf, off):
-        if fcntl_flags(fd) & direct.O_DIRECT:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buf, off)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    _fail_direct_writes(monkeypatch, errno.ENOSPC)
     copier = Copier()
     copier.split_mode = "direct"
     with pytest.raises(OSError) as info:
@@ -239,15 +233,8 @@ def test_a_full_disk_in_a_direct_write_is_the_outputs_error(tmp_path, small_chun
 
 
 def test_a_full_disk_in_a_direct_write_leaves_no_output(tmp_path, small_chunks, monkeypatch):
-    real = os.pwrite
-
-    def pwrite(fd, buf, off):
-        if fcntl_flags(fd) & direct.O_DIRECT:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buf, off)
-
+    _fail_direct_writes(monkeypatch, errno.ENOSPC)
     monkeypatch.setattr(direct, "SPLIT_MIN", 1)
-    monkeypatch.setattr(os, "pwrite", pwrite)
     out = tmp_path / "out" / "flat.safetensors"
     out.parent.mkdir()
     with pytest.raises(CheckpointError, match=r"no space left on device while writing .*out"):
