@@ -63,3 +63,17 @@ def reseal(header: dict, data: bytes) -> dict:
         sums[name] = crc(tensor_bytes(header, data, name))
     meta["yafsdp.checksums"] = json.dumps(sums, separators=(",", ":"))
     return header
+
+
+def file_system_can(folder: Path, try_it) -> bool:
+    """Whether ``try_it(path)`` succeeds on a new empty file in ``folder`` (an
+    ``OSError`` means no): what a test skips on where the file system lacks it."""
+    probe = folder / "file-system-probe"
+    probe.write_bytes(b"")
+    try:
+        try_it(probe)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()

@@ -11,7 +11,15 @@ import zlib
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import assert_same_tensors, load_st, read_header, reseal, sample, write_raw
+from checkpoint_helpers import (
+    assert_same_tensors,
+    file_system_can,
+    load_st,
+    read_header,
+    reseal,
+    sample,
+    write_raw,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -182,8 +190,13 @@ def test_a_full_disk_in_the_kernel_copy_is_the_outputs_error(tmp_path, monkeypat
     names the output (not the source the copy read)."""
     src, data = _source(tmp_path)
     monkeypatch.setattr(os, "copy_file_range", _fail(errno.ENOSPC))
+    _assert_disk_full(src, len(data), tmp_path / "d")
+
+
+def _assert_disk_full(src: Path, n: int, dst: Path) -> None:
+    """Copying all ``n`` bytes of ``src`` raises the OSError ENOSPC itself."""
     with pytest.raises(OSError) as info:
-        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)
+        _copy(Copier(), FileRange(src, 0, n), dst, n + 7)
     assert info.value.errno == errno.ENOSPC
 
 
@@ -445,16 +458,14 @@ def test_ctrl_c_during_the_kernel_copy_stops_the_read_back_thread(tmp_path, monk
 
 
 def _can_allocate(folder: Path) -> bool:
-    probe = folder / "probe"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
-    try:
-        copy_mod.allocate(fd, 0, MiB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink()
+    def allocate(path: Path) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            copy_mod.allocate(fd, 0, MiB)
+        finally:
+            os.close(fd)
+
+    return file_system_can(folder, allocate)
 
 
 def test_output_blocks_are_allocated_before_the_kernel_copy_writes_them(tmp_path, monkeypatch):
@@ -480,9 +491,7 @@ def test_a_full_disk_when_reserving_is_the_outputs_error_before_any_copy(tmp_pat
     src, data = _source(tmp_path)
     monkeypatch.setattr(copy_mod, "allocate", _fail(errno.ENOSPC))
     monkeypatch.setattr(os, "copy_file_range", lambda *a: pytest.fail("copied anyway"))
-    with pytest.raises(OSError) as info:
-        _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)
-    assert info.value.errno == errno.ENOSPC
+    _assert_disk_full(src, len(data), tmp_path / "d")
 
 
 def test_without_fallocate_the_copy_goes_on_and_does_not_ask_again(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from checkpoint_helpers import sample
+from checkpoint_helpers import file_system_can, sample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,20 +23,16 @@ KiB, MiB = 1024, 1024 * 1024
 
 
 def _direct_works(folder: Path) -> bool:
-    probe = folder / "direct-probe"
-    probe.write_bytes(b"")
-    fd = direct.open_direct(probe)
-    if fd is None:
-        return False
-    buf = mmap.mmap(-1, direct.ALIGN)
-    try:
-        os.pwrite(fd, buf, 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink()
+    def write_direct(path: Path) -> None:
+        fd = direct.open_direct(path)
+        if fd is None:
+            raise OSError(errno.EINVAL, "O_DIRECT refused at open")
+        try:
+            os.pwrite(fd, mmap.mmap(-1, direct.ALIGN), 0)
+        finally:
+            os.close(fd)
+
+    return file_system_can(folder, write_direct)
 
 
 @pytest.fixture

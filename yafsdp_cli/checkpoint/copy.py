@@ -16,8 +16,8 @@ The kernel copies every range: ``os.copy_file_range``, else ``os.sendfile``, els
 buffered reads (a method that fails once with "not supported here" is not tried
 again; one that stops short is finished by the next). Before a data range of 1 MiB
 or more is copied, its output blocks are allocated (``fallocate``): ext4 then maps
-them instead of reserving each 4 KiB block on the write path, which made the kernel
-copy about 30% cheaper here (``Copier._reserve``). Bytes that must be
+them instead of reserving each 4 KiB block on the write path, which once made the
+kernel copy about 30% cheaper here (``Copier._reserve``). Bytes that must be
 checksummed (the output's checksums; with ``record`` the input's too, kept in a
 ``Ledger`` so that the check after the copy need not read them again) are then
 read back from the page cache into a 4 MiB buffer and CRC-32'd, by a second thread
@@ -213,25 +213,20 @@ class Copier:
         method works, one buffered pass copies and checksums."""
         known = self.ledger.get(src) if self.ledger is not None else None
         want = known is None and (digest is not None or self.ledger is not None)
+        crc = None
         if dst_path is not None and src.nbytes >= direct.SPLIT_MIN and self.direct:
-            crc = self._split(src, dst_fd, dst_path, dst_off, want, tick)
-            if crc is not None:
-                if want:
-                    known = crc
-                    if self.ledger is not None:
-                        self.ledger.record(src, crc)
-                if digest is not None:
-                    digest.extend(known, src.nbytes)
-                return
-        if want:
-            if self.kernel_available():
-                known = self._copy_and_read_back(src, dst_fd, dst_off, tick)
+            crc = self._split(src, dst_fd, dst_path, dst_off, want, tick)  # None: not copied
+        if crc is None:
+            if not want:
+                self._pass(src, dst_fd, dst_off, tick, kernel=True)
+            elif self.kernel_available():
+                crc = self._copy_and_read_back(src, dst_fd, dst_off, tick)
             else:
-                known = self._pass(src, dst_fd, dst_off, tick)
+                crc = self._pass(src, dst_fd, dst_off, tick)
+        if want:
+            known = crc
             if self.ledger is not None:
                 self.ledger.record(src, known)
-        else:
-            self._pass(src, dst_fd, dst_off, tick, kernel=True)
         if digest is not None:
             digest.extend(known, src.nbytes)
 
@@ -304,12 +299,9 @@ class Copier:
             os.close(fd)
 
     def _direct_buffers(self) -> list:
-        """Three page-aligned buffers (anonymous mmaps) for ``direct.SplitCopy``, made
-        once per Copier."""
+        """``direct.SplitCopy``'s buffers, made once per Copier."""
         if self._direct_mmaps is None:
-            import mmap
-
-            self._direct_mmaps = [mmap.mmap(-1, direct.CHUNK) for _ in range(3)]
+            self._direct_mmaps = direct.buffers()
         return self._direct_mmaps
 
     def kernel_available(self) -> bool:
@@ -341,7 +333,8 @@ class Copier:
         (``fallocate``): the write path then finds them mapped instead of reserving
         each 4 KiB block for delayed allocation on the way. Measured on ext4 (the
         1.24 GiB benchmark file, in-process, min of 6): the kernel copy 0.29 s alone,
-        0.21 s after ``fallocate``; ``cp`` 0.31 s. Only data is reserved, so holes stay
+        0.21 s after ``fallocate``; ``cp`` 0.31 s (a later session's runs could not
+        tell the two apart: README). Only data is reserved, so holes stay
         holes. A full disk is the output's error (before a byte is copied); a file
         system without ``fallocate`` is not asked again."""
         if n < RESERVE_MIN or not self.reserve:

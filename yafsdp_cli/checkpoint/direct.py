@@ -109,6 +109,12 @@ def open_direct(path) -> int | None:
         return None
 
 
+def buffers() -> list[mmap.mmap]:
+    """Three page-aligned buffers (anonymous mmaps) of ``CHUNK`` bytes for a
+    ``SplitCopy``: one the worker reads back into, two for direct writes."""
+    return [mmap.mmap(-1, CHUNK) for _ in range(3)]
+
+
 class Rates:
     """Seconds per byte of each way of writing, a running average over the chunks
     timed, kept for a whole command: the way that wins takes the chunks, and the
@@ -208,9 +214,10 @@ class SplitCopy:
                 if c.hole or not c.direct:
                     continue
                 self._raise_worker_error()
-                if self.forced or self.refused:
-                    way = self.forced if not self.refused else "kernel"
-                    (self._direct if way == "direct" else self._kernel)(c)
+                if self.refused:
+                    self._kernel(c)
+                elif self.forced:
+                    (self._direct if self.forced == "direct" else self._kernel)(c)
                 else:
                     way, retime = self.rates.choose()
                     if way == "kernel":
@@ -251,8 +258,7 @@ class SplitCopy:
 
     def _direct(self, c: Chunk, *, retime: bool = False) -> None:
         with self._cond:
-            while not self._free and self._error is None:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._free or self._error is not None)
             if self._error is not None:
                 return
             buf = self._free.pop()
@@ -277,15 +283,15 @@ class SplitCopy:
 
     def _no_writes(self) -> None:
         """Wait until no direct write is queued or in flight."""
-        with self._cond:
-            while self._writes and self._error is None:
-                self._cond.wait()
+        self._wait_for(lambda: not self._writes)
 
     def _idle(self) -> None:
         """Wait until the worker has nothing to do."""
+        self._wait_for(lambda: not self._jobs and not self._busy)
+
+    def _wait_for(self, ready: Callable[[], bool]) -> None:
         with self._cond:
-            while (self._jobs or self._busy) and self._error is None:
-                self._cond.wait()
+            self._cond.wait_for(lambda: ready() or self._error is not None)
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
