@@ -12,7 +12,7 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
 from yafsdp_cli.verify import single as verify_single
-from yafsdp_cli.verify.common import DETERMINISTIC_NOTE, deterministic_kernels
+from yafsdp_cli.verify.numerics import pinned
 from yafsdp_cli.verify.dist import run_world
 
 runner = CliRunner()
@@ -78,13 +78,13 @@ def test_why_compiled_verify_needs_deterministic_kernels():
     # deterministic mode it calls ATen's serial kernel instead.
     assert not torch.are_deterministic_algorithms_enabled()
     assert "atomic_add" in _compiled_embedding_backward_code()
-    with deterministic_kernels(VerifyOptions(compile=True)):
+    with pinned():
         assert "atomic_add" not in _compiled_embedding_backward_code()
     assert not torch.are_deterministic_algorithms_enabled()  # the setting is given back
 
 
 @pytest.mark.parametrize("compile_", [True, False])
-def test_compiled_verify_runs_both_models_deterministically(monkeypatch, compile_):
+def test_verify_runs_both_models_deterministically(monkeypatch, compile_):
     seen = []
     real = verify_single.forward_backward
 
@@ -96,9 +96,9 @@ def test_compiled_verify_runs_both_models_deterministically(monkeypatch, compile
     report = verify_model(loaded("gpt"), VerifyOptions(compile=compile_, steps=1))
     assert report.ok, report.first_failure
     assert len(seen) == 4  # two micro-batches on each model
-    assert seen == [compile_] * 4  # eager runs keep the user's (default) setting
-    assert (DETERMINISTIC_NOTE in report.notes) is compile_
-    assert not torch.are_deterministic_algorithms_enabled()
+    assert seen == [True] * 4  # both models, eager or compiled
+    assert "deterministic algorithms on" in report.pinned
+    assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting back
 
 
 def test_compiled_and_checkpointed_on_two_ranks_through_the_cli():

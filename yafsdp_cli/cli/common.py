@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+# verify: the original did not reproduce its own numbers, so no verdict on the conversion
+EXIT_NOT_REPRODUCIBLE = 3
 FORMATS = ("table", "json", "markdown")
 
 

@@ -10,6 +10,7 @@ import typer
 from ..errors import YafsdpError
 from .common import (
     EXIT_CHECK_FAILED,
+    EXIT_NOT_REPRODUCIBLE,
     EXIT_OK,
     AlignOpt,
     ExcludeOpt,
@@ -130,7 +131,8 @@ def verify_command(
 
     With --world-size N the check runs on N processes (gloo on CPU, NCCL with
     --device cuda), launched here; under torchrun it runs as that rank instead.
-    Exit 0 if everything matches, 1 on a mismatch, 2 on bad input.
+    Exit 0 if everything matches, 1 on a mismatch, 2 on bad input, 3 if the
+    original model does not reproduce its own numbers when run again (no verdict).
     """
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
@@ -177,7 +179,13 @@ def verify_command(
             raise YafsdpError(view.refusal(exc.budget, exc.suggestions)) from None
         if is_primary():
             _render(report, fmt)
-    raise typer.Exit(EXIT_OK if report.ok else EXIT_CHECK_FAILED)
+    raise typer.Exit(exit_code(report))
+
+
+def exit_code(report) -> int:
+    if not report.reproducible:
+        return EXIT_NOT_REPRODUCIBLE
+    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
 
 
 def _render(report, fmt: str) -> None:

@@ -37,6 +37,14 @@ def finite(obj):
 
 def verdict(report: VerifyReport) -> str:
     where = f"{report.world_size} rank{'s' if report.world_size > 1 else ''}"
+    if not report.reproducible:
+        d = report.drift
+        return (
+            "NOT REPRODUCIBLE: the original model, run again from the same start under the "
+            f"same settings, did not reproduce its own numbers ({d.kind} {d.name} at step "
+            f"{d.step}: max abs {_num(d.max_abs)}), so the comparison with the converted "
+            "model proves nothing on this machine (exit 3)"
+        )
     if report.ok:
         return (
             f"OK: converted model matches the original ({report.compared} comparisons, "
@@ -129,6 +137,10 @@ def summary_section(report: VerifyReport) -> Section:
         ("compared", f"{report.compared} tensors, {report.failures} out of tolerance"),
         ("blocks", blocks_words(report.blocks)),
     )
+    if report.pinned:
+        rows += (("numerics", report.pinned.removeprefix("pinned: ")),)
+    if not report.reproducible:
+        rows += (("reference", "not reproducible: the original drifted when run again"),)
     if report.budget is not None:
         rows += (
             ("estimated peak", _estimate_words(report.budget)),

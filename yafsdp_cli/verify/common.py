@@ -37,10 +37,9 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -160,6 +159,11 @@ class VerifyReport:
     budget: Budget | None = None  # the peak estimated before the run, and what was available
     blocks: BlockChoice | None = None  # None: every block of the model
     peak_rss: int = 0  # the most resident memory the run's processes held (the largest rank)
+    pinned: str = ""  # the numerics both models ran under (``numerics.Pinned.describe``)
+    # False: the original, re-run from the same start, did not reproduce its own numbers
+    # (``drift`` is its first difference), so a mismatch proves nothing
+    reproducible: bool = True
+    drift: TensorDiff | None = None
 
 
 # -- what a rank holds -----------------------------------------------------------------
@@ -255,47 +259,13 @@ def plan_for(module: nn.Module, opts: VerifyOptions, world_size: int) -> Layout:
 def with_idioms(module: nn.Module, layout: Layout, opts: VerifyOptions):
     """Apply ``--checkpointing`` to ``module`` (one of the two models, after the deep
     copy) and return what runs its forward (``--compile``'s compiled module or itself)
-    with what was done, in words. Run both inside ``deterministic_kernels(opts)``."""
+    with what was done, in words. Run both inside ``numerics.pinned``."""
     done = apply_checkpointing(module, opts.checkpointing, layout.units)
     words = [f"activation checkpointing: {done} (both models)"] if done else []
     if opts.compile:
-        words += ["torch.compile (inductor) of both models", DETERMINISTIC_NOTE]
+        words += ["torch.compile (inductor) of both models"]
         return compiled(module), words
     return module, words
-
-
-DETERMINISTIC_NOTE = (
-    "deterministic kernels while compiled (torch.use_deterministic_algorithms): inductor "
-    "sums an embedding's gradient with atomic adds from several threads, whose order, "
-    "and so the last bit, changes from run to run"
-)
-
-
-@contextlib.contextmanager
-def deterministic_kernels(opts: VerifyOptions) -> Iterator[None]:
-    """Under ``--compile``, torch's deterministic mode for the run, then the caller's
-    setting back.
-
-    Why: inductor lowers a scatter-add (``index_put_`` with ``accumulate``, which is
-    how an embedding's backward sums the rows of repeated tokens) to ``atomic_add``
-    from every thread, so both models' gradients vary in the last bit from run to run
-    and an exact comparison fails now and then (seen: 3e-5 on the MoE sample's
-    embedding, once in a suite). In deterministic mode inductor calls ATen's serial
-    CPU kernel instead. Eager CPU kernels are deterministic already, so the eager
-    check runs as the user's training would. ``warn_only``: an op with no
-    deterministic kernel warns rather than fails."""
-    if not opts.compile:
-        yield
-        return
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def micro_seed(opts: VerifyOptions, step: int, micro: int, rank: int = 0) -> int:

@@ -23,6 +23,11 @@ What every rank does, per step (see ``sharded.ShardedFlat`` for the runtime):
 3. outputs are compared on each rank; gradients and parameters are all-gathered
    from the shards and compared with the reference by name; after the last step
    each rank measures the storages it keeps.
+
+Every rank pins its numerics (``numerics``) and keeps its reference run on disk;
+on a mismatch every rank re-runs the reference from its starting values and
+compares it bit for bit with the first run (``recheck``), and the report says
+"not reproducible" if any rank's reference drifted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import logging
 import os
 import pickle
 import tempfile
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,7 +56,6 @@ from .common import (
     allocation_rounding,
     batch_for,
     build_report,
-    deterministic_kernels,
     held_bytes,
     micro_seed,
     named_params,
@@ -60,6 +65,9 @@ from .common import (
     with_idioms,
     with_world_size,
 )
+from .numerics import apply, pinned
+from .recheck import START, first_drift, put_back, starting_values, with_recheck
+from .store import ReferenceStore
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT = timedelta(minutes=5)
@@ -222,12 +230,48 @@ def verify_this_rank(loaded, opts: VerifyOptions) -> VerifyReport:
 
 
 def run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyReport:
-    with deterministic_kernels(opts):
-        return _run_rank(prep, opts, comm)
+    with pinned() as pins, ReferenceStore() as store:
+        report, run = _run_rank(prep, opts, comm, store)
+        if report.failures:
+            apply(pins.threads)
+            drift = recheck_reference(prep.original, run, opts, comm, store)
+            report = with_recheck(report, drift)
+    return replace(report, pinned=pins.describe())
 
 
-def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyReport:
+def recheck_reference(original, run, opts: VerifyOptions, comm: DistComm, store):
+    """Every rank runs its reference again from the starting values (``run``: the same
+    callable as the first run, compiled or not) and compares it bit for bit with the
+    first run; the first drift of the lowest rank that drifted (the same answer on
+    every rank)."""
+    put_back(original, store)
+    ref_opt = make_optimizer(opts.optimizer, original.parameters())
+    with ReferenceStore() as again:
+        for step in range(opts.steps):
+            _reference_and_step(original, run, ref_opt, opts, step, comm, again)
+        mine = first_drift(store, again, opts.steps)
+    every: list = [None] * comm.world_size
+    dist.all_gather_object(every, mine)
+    return next((d for d in every if d is not None), None)
+
+
+def _reference_and_step(original, run, ref_opt, opts, step, comm: DistComm, store):
+    """One step of the reference (every rank's micro-batches, then its optimizer),
+    kept in ``store``; its gradients and this rank's outputs."""
+    ref_grads, ref_outs = reference_step(original, run, opts, step, comm.rank, comm.world_size)
+    _set_grads(original, ref_grads)
+    if ref_opt is not None:
+        ref_opt.step()
+    outputs = {f"output (micro-batch {m})": out for m, out in enumerate(ref_outs)}
+    parts = {"output": outputs, "gradient": ref_grads, "parameter": named_params(original)}
+    store.save_step(step, {**parts, "buffer": dict(original.named_buffers())})
+    original.zero_grad(set_to_none=True)
+    return ref_grads, ref_outs
+
+
+def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm, store):
     original, rank = prep.original, comm.rank
+    store.save_step(START, starting_values(original))
     twin = copy.deepcopy(original)
     run_original, idiom_notes = with_idioms(original, prep.layout, opts)
     run_twin, _ = with_idioms(twin, prep.layout, opts)
@@ -243,8 +287,8 @@ def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyRepo
     opt = make_optimizer(opts.optimizer, sharded.parameters())
     memory = None
     for step in range(opts.steps):
-        ref_grads, ref_outs = reference_step(
-            original, run_original, opts, step, rank, comm.world_size
+        ref_grads, ref_outs = _reference_and_step(
+            original, run_original, ref_opt, opts, step, comm, store
         )
         for m in range(opts.micro_batches):
             seed = micro_seed(opts, step, m, rank)
@@ -255,18 +299,17 @@ def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm) -> VerifyRepo
             )
         sharded.before_step()
         tensors.compare_all("gradient", step, sharded.gathered_named("grad"), ref_grads)
-        _set_grads(original, ref_grads)
-        for o in (ref_opt, opt):
-            if o is not None:
-                o.step()
+        del ref_grads, ref_outs
+        if opt is not None:
+            opt.step()
         if step == opts.steps - 1:
             memory = _rank_memory(rank, twin, sharded, opt, prep, opts)
         tensors.compare_all(
             "parameter", step, sharded.gathered_named("param"), named_params(original)
         )
-        original.zero_grad(set_to_none=True)
         sharded.zero_grad()
-    return _merge(prep, opts, comm, outputs, tensors, memory, idiom_notes)
+    report = _merge(prep, opts, comm, outputs, tensors, memory, idiom_notes)
+    return report, run_original
 
 
 def reference_step(model, run, opts: VerifyOptions, step: int, rank: int, world: int):

@@ -109,4 +109,10 @@ def model_check(loaded, selection: dict) -> tuple[bool | None, str]:
         return None, f"not run: {exc}"
     if report.ok:
         return True, f"passed ({report.compared} comparisons over {report.steps} steps)"
+    if not report.reproducible:
+        d = report.drift
+        return None, (
+            f"no verdict: the original did not reproduce its own numbers when run again "
+            f"({d.kind} {d.name} at step {d.step}, max abs {d.max_abs:.3g})"
+        )
     return False, f"FAILED: {report.failures} of {report.compared} comparisons out of tolerance"
