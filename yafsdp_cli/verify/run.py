@@ -31,7 +31,8 @@ def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> Ver
     run_plan = plan_run(loaded, opts)
     if on_plan is not None:
         on_plan(run_plan)
-    report = run_single(prepare(loaded, run_plan.opts), run_plan.opts)
+    opts = run_plan.opts
+    report = run_single(prepare(loaded, opts), opts, rebuild=lambda: prepare(loaded, opts).original)
     return finish(report, run_plan, peak_rss())
 
 

@@ -9,8 +9,8 @@
    second copy of the model ever exists.
 4. The converted model runs the same micro-batches; each tensor is compared with the
    original's, read back from disk one at a time.
-5. Only on a mismatch: the module is given back its ordinary parameters
-   (``FlatModel.restore``) and starting values, the original runs every step again,
+5. Only on a mismatch: the converted model is dropped, the original is built afresh
+   and given its starting values, it runs every step again,
    and its second run is compared bit for bit with its first. A drift there means the
    reference itself is not reproducible on this machine, and the report says so
    instead of blaming the conversion.
@@ -63,13 +63,16 @@ RNG_NOTE = (
 )
 
 
-def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
+def run_single(prep: Prepared, opts: VerifyOptions, rebuild=None) -> VerifyReport:
+    """``rebuild()`` makes the original module afresh for the re-check of a mismatch
+    (the converted one may be what is broken, so it is not turned back); without it
+    no re-check is made."""
     with pinned() as pins:
-        report = _run_single(prep, opts, pins.threads)
+        report = _run_single(prep, opts, pins.threads, rebuild)
     return replace(report, pinned=pins.describe())
 
 
-def _run_single(prep: Prepared, opts: VerifyOptions, threads: int) -> VerifyReport:
+def _run_single(prep: Prepared, opts: VerifyOptions, threads: int, rebuild) -> VerifyReport:
     module = prep.original
     run, notes = with_idioms(module, prep.layout, opts)
     with ReferenceStore() as store:
@@ -86,25 +89,25 @@ def _run_single(prep: Prepared, opts: VerifyOptions, threads: int) -> VerifyRepo
         apply(threads)
         memory, drift = run_converted(flat, run, opts, store, rec, drawn, prep.layout)
         rerun = None
-        if rec.failures:
+        if rec.failures and rebuild is not None:
+            del flat, run, module
+            prep.original = None  # the converted module: gone before the rebuild
+            release_freed()
             apply(threads)
-            rerun = recheck_original(flat, opts, store)
+            rerun = recheck_original(rebuild(), prep.layout, opts, store)
     if drift:
         notes.append(RNG_NOTE.format(where=", ".join(drift[:3])))
     report = build_report(prep, opts, rec, (memory,), backend="", extra_notes=notes)
     return with_recheck(report, rerun)
 
 
-def recheck_original(flat: FlatModel, opts: VerifyOptions, store: ReferenceStore):
+def recheck_original(module, layout: Layout, opts: VerifyOptions, store: ReferenceStore):
     """The original's every step again, from its starting values, compared bit for bit
     with its first run on disk: the first tensor that drifted, or None."""
-    module = flat.restore()
-    module.zero_grad(set_to_none=True)
-    release_freed()
     put_back(module, store)
     if opts.compile:
         torch._dynamo.reset()
-    run = compiled(module) if opts.compile else module
+    run, _ = with_idioms(module, layout, opts)
     with ReferenceStore() as again:
         run_original(module, run, opts, again)
         return first_drift(store, again, opts.steps)
