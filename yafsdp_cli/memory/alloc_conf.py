@@ -90,7 +90,9 @@ class AllocatorConf:
         if len(set(divs)) == 1 and divs[0]:
             parts.append(f"roundup_power2_divisions:{divs[0]}")
         elif any(divs):
-            listed = ",".join(f"{1 << i}:{d}" for i, d in enumerate(divs))
+            # unset intervals come only after the last one set: leaving them out
+            # reads back the same
+            listed = ",".join(f"{1 << i}:{d}" for i, d in enumerate(divs) if d)
             parts.append(f"roundup_power2_divisions:[{listed}]")
         return ",".join(parts) or "default"
 

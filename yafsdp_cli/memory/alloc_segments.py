@@ -45,11 +45,23 @@ class Block:
     """A contiguous range of a segment: handed out, cached free, or (expandable) not
     backed by memory. ``prev``/``next``: the neighbours in the same segment."""
 
-    __slots__ = ("addr", "size", "pool", "seg", "mapped", "allocated", "prev", "next", "gc_base")
+    __slots__ = (
+        "addr",
+        "size",
+        "pool",
+        "seg",
+        "mapped",
+        "allocated",
+        "prev",
+        "next",
+        "gc_base",
+        "requested",
+    )
 
     def __init__(self, addr: int, size: int, pool: Pool, seg: Segment | None = None) -> None:
         self.addr, self.size, self.pool, self.seg = addr, size, pool, seg
         self.mapped, self.allocated = True, False
+        self.requested = 0  # bytes asked for, while allocated
         self.prev: Block | None = None
         self.next: Block | None = None
         self.gc_base = 0  # the pool's get_free_block count when the block was cached
@@ -84,7 +96,7 @@ class Allocator:
         self.reserved = self.allocated = self.segments = 0
         self.segments_created = self.cache_releases = 0
         self.next_addr = 0
-        self.requested: dict[int, int] = {}  # id(block) -> bytes asked for
+        self._divisions = any(d > 1 for d in conf.roundup_power2_divisions)
 
     # -- the public calls -------------------------------------------------------------
 
@@ -92,29 +104,29 @@ class Allocator:
         size = self.round_size(orig_size)
         pool = self._pool(size <= SMALL_SIZE, stream)
         block = self.get_free_block(pool, size) or self._new_block(pool, size)
-        block = self._take(block, size)
+        if self.should_split(block, size):
+            self._split(block, size)
         block.allocated = True
+        block.requested = orig_size
         self.allocated += block.size
-        self.requested[id(block)] = orig_size
         return block
 
     def free(self, block: Block) -> None:
         block.allocated = False
         self.allocated -= block.size
-        del self.requested[id(block)]
-        for other in (block.prev, block.next):
-            self._merge(block, other)
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated:
+            self._merge(block, prev)
+        if nxt is not None and not nxt.allocated:
+            self._merge(block, nxt)
         self._cache(block)
-
-    def size_requested(self, block: Block) -> int:
-        return self.requested[id(block)]
 
     # -- sizes ------------------------------------------------------------------------
 
     def round_size(self, size: int) -> int:
         if size < MIN_BLOCK:
             return MIN_BLOCK
-        divisions = self.conf.divisions_for(size)
+        divisions = self.conf.divisions_for(size) if self._divisions else 0
         if divisions > 1 and size > MIN_BLOCK * divisions:
             return _next_division(size, divisions)
         return -(-size // MIN_BLOCK) * MIN_BLOCK
@@ -187,14 +199,12 @@ class Allocator:
         self.segments_created += 1
         return block
 
-    def _take(self, block: Block, size: int) -> Block:
-        """Hand out the front of ``block``; the rest stays cached if worth keeping."""
-        if self.should_split(block, size):
-            rest = Block(block.addr + size, block.size - size, block.pool, block.seg)
-            _link_after(block, rest)
-            block.size = size
-            self._cache(rest)
-        return block
+    def _split(self, block: Block, size: int) -> None:
+        """Keep the front of ``block`` for the request; cache the rest."""
+        rest = Block(block.addr + size, block.size - size, block.pool, block.seg)
+        _link_after(block, rest)
+        block.size = size
+        self._cache(rest)
 
     # -- expandable segments ----------------------------------------------------------
 

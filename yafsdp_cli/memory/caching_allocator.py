@@ -110,27 +110,45 @@ def reserved_of(
         raise YafsdpError(f"capacity must not be negative, got {capacity}")
     events = trace.events if isinstance(trace, AllocTrace) else tuple(trace)
     alloc = Allocator(conf, capacity)
-    watch = _Watch()
     live: dict[int, object] = {}
+    malloc, free = alloc.malloc, alloc.free
+    requested = requested_peak = reserved_peak = at_peak = allocated_peak = segments = 0
     oom = None
+    # one loop with the peaks kept in locals: this runs once per event of a 70B step
     for n, (block, size, stream) in enumerate(events):
         if size > 0:
             if block in live:
                 raise YafsdpError(f"trace event {n}: block {block} is allocated twice")
             try:
-                live[block] = alloc.malloc(size, stream)
+                live[block] = malloc(size, stream)
             except OutOfMemoryError:
                 oom = n
                 break
-            watch.requested += size
+            requested += size
+            requested_peak = max(requested_peak, requested)
+            allocated_peak = max(allocated_peak, alloc.allocated)
+            if alloc.reserved > reserved_peak:
+                reserved_peak, at_peak, segments = alloc.reserved, alloc.allocated, alloc.segments
         else:
             handle = live.pop(block, None)
             if handle is None:
                 raise YafsdpError(f"trace event {n}: block {block} is freed but not allocated")
-            watch.requested -= alloc.size_requested(handle)
-            alloc.free(handle)
-        watch.see(alloc)
-    return watch.result(conf, alloc, capacity, oom, len(events))
+            requested -= handle.requested
+            free(handle)
+    return ReservedEstimate(
+        conf=str(conf),
+        reserved_peak=reserved_peak,
+        allocated_at_peak=at_peak,
+        fragmentation=reserved_peak - at_peak,
+        allocated_peak=allocated_peak,
+        requested_peak=requested_peak,
+        segments=segments,
+        segments_created=alloc.segments_created,
+        cache_releases=alloc.cache_releases,
+        capacity=capacity,
+        oom_event=oom,
+        events=len(events),
+    )
 
 
 def first_fit(
@@ -143,41 +161,6 @@ def first_fit(
         if est.fits:
             return est
     return None
-
-
-class _Watch:
-    """Peaks seen after each event."""
-
-    def __init__(self) -> None:
-        self.requested = self.requested_peak = 0
-        self.reserved_peak = self.allocated_at_peak = self.allocated_peak = 0
-        self.segments_at_peak = 0
-
-    def see(self, alloc: Allocator) -> None:
-        if alloc.reserved > self.reserved_peak:
-            self.reserved_peak = alloc.reserved
-            self.allocated_at_peak = alloc.allocated
-            self.segments_at_peak = alloc.segments
-        if alloc.allocated > self.allocated_peak:
-            self.allocated_peak = alloc.allocated
-        if self.requested > self.requested_peak:
-            self.requested_peak = self.requested
-
-    def result(self, conf, alloc: Allocator, capacity, oom, events: int) -> ReservedEstimate:
-        return ReservedEstimate(
-            conf=str(conf),
-            reserved_peak=self.reserved_peak,
-            allocated_at_peak=self.allocated_at_peak,
-            fragmentation=self.reserved_peak - self.allocated_at_peak,
-            allocated_peak=self.allocated_peak,
-            requested_peak=self.requested_peak,
-            segments=self.segments_at_peak,
-            segments_created=alloc.segments_created,
-            cache_releases=alloc.cache_releases,
-            capacity=capacity,
-            oom_event=oom,
-            events=events,
-        )
 
 
 __all__ = [
