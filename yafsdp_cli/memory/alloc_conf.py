@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..errors import YafsdpError
 
 MIB = 1 << 20
+MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple
 LARGE_BUFFER = 20 * MIB  # kLargeBuffer: the segment of a 1-10 MiB request
 ROUNDUP_INTERVALS = 16  # one divisions setting per power of two from 1 MiB up
 _IGNORED = {
@@ -76,6 +77,15 @@ class AllocatorConf:
         index = size.bit_length() - 1 - (MIB.bit_length() - 1)
         return self.roundup_power2_divisions[min(max(index, 0), ROUNDUP_INTERVALS - 1)]
 
+    def round_size(self, size: int) -> int:
+        """The block size a request of ``size`` bytes asks the pools for."""
+        if size < MIN_BLOCK:
+            return MIN_BLOCK
+        divisions = self.divisions_for(size)
+        if divisions > 1 and size > MIN_BLOCK * divisions:
+            return _next_division(size, divisions)
+        return -(-size // MIN_BLOCK) * MIN_BLOCK
+
     def __str__(self) -> str:
         parts = []
         if self.expandable_segments:
@@ -95,6 +105,19 @@ class AllocatorConf:
             listed = ",".join(f"{1 << i}:{d}" for i, d in enumerate(divs) if d)
             parts.append(f"roundup_power2_divisions:[{listed}]")
         return ",".join(parts) or "default"
+
+
+def _next_division(size: int, divisions: int) -> int:
+    """``size`` rounded up to the next of ``divisions`` equal steps between powers of
+    two (1200 B, 4 divisions: 1024, 1280, 1536, 1792 -> 1280)."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    below = size & ~(step - 1)
+    return size if below == size else below + step
 
 
 def parse_alloc_conf(text: str | None) -> AllocatorConf:

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from .alloc_conf import LARGE_BUFFER, MIB, AllocatorConf
+from .alloc_conf import LARGE_BUFFER, MIB, MIN_BLOCK, AllocatorConf
 
-MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple
 SMALL_SIZE = MIB  # kSmallSize: the largest request of the small pool
 SMALL_BUFFER = 2 * MIB  # kSmallBuffer: the small pool's segment
 MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: below it a large request takes a 20 MiB segment
@@ -96,12 +95,11 @@ class Allocator:
         self.reserved = self.allocated = self.segments = 0
         self.segments_created = self.cache_releases = 0
         self.next_addr = 0
-        self._divisions = any(d > 1 for d in conf.roundup_power2_divisions)
 
     # -- the public calls -------------------------------------------------------------
 
     def malloc(self, orig_size: int, stream: int) -> Block:
-        size = self.round_size(orig_size)
+        size = self.conf.round_size(orig_size)
         pool = self._pool(size <= SMALL_SIZE, stream)
         block = self.get_free_block(pool, size) or self._new_block(pool, size)
         if self.should_split(block, size):
@@ -122,14 +120,6 @@ class Allocator:
         self._cache(block)
 
     # -- sizes ------------------------------------------------------------------------
-
-    def round_size(self, size: int) -> int:
-        if size < MIN_BLOCK:
-            return MIN_BLOCK
-        divisions = self.conf.divisions_for(size) if self._divisions else 0
-        if divisions > 1 and size > MIN_BLOCK * divisions:
-            return _next_division(size, divisions)
-        return -(-size // MIN_BLOCK) * MIN_BLOCK
 
     @staticmethod
     def allocation_size(size: int) -> int:
@@ -389,19 +379,6 @@ class Allocator:
             if dst.next is not None:
                 dst.next.prev = dst
         dst.size += src.size
-
-
-def _next_division(size: int, divisions: int) -> int:
-    """``size`` rounded up to the next of ``divisions`` equal steps between powers of
-    two (1200 B, 4 divisions: 1024, 1280, 1536, 1792 -> 1280)."""
-    if size & (size - 1) == 0:
-        return size
-    floor = 1 << (size.bit_length() - 1)
-    step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
-    below = size & ~(step - 1)
-    return size if below == size else below + step
 
 
 def _reach(block: Block) -> int:
