@@ -42,6 +42,12 @@ def test_a_failing_case_is_reported_and_the_rest_go_on(capsys):
     assert capsys.readouterr().out.count("FAILED") == 2
 
 
+def test_cases_past_the_time_allowed_are_skipped_not_run(capsys):
+    rows, errors = bench.run_cases(["no-such-case"], total_s=0)
+    assert rows == [] and errors == [dict(case="no-such-case", error="skipped: out of time")]
+    assert "skipped, out of time" in capsys.readouterr().out
+
+
 def test_the_cases_are_the_shapes_asked_for():
     names = {c.name for c in bench.CASES}
     assert len(names) == len(bench.CASES)
@@ -51,6 +57,7 @@ def test_the_cases_are_the_shapes_asked_for():
     assert bench.QWEN2_05B["tie_word_embeddings"] is True
 
 
+@pytest.mark.hf
 def test_the_prediction_half_runs_on_a_tiny_llama(tmp_path):
     pytest.importorskip("transformers")
     shape = dict(bench.TINYLLAMA, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
