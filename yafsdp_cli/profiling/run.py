@@ -54,13 +54,17 @@ def profile_source(
     return profile_model(loaded, opts or ProfileOptions(), progress=progress)
 
 
-def profile_model(loaded, opts: ProfileOptions | None = None, progress=None) -> ProfileReport:
-    """Profile ``loaded`` (``sources.load_source``): original, then converted."""
+def profile_model(
+    loaded, opts: ProfileOptions | None = None, progress=None, traces: dict | None = None
+) -> ProfileReport:
+    """Profile ``loaded`` (``sources.load_source``): original, then converted.
+    ``traces``, if given, gets each variant's ``AllocTrace`` (for
+    ``memory.caching_allocator.reserved_of``) under "original" and "converted"."""
     opts = opts or ProfileOptions()
     _check_target(opts)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
-        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None))
+        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None), traces)
 
 
 def _check_target(opts: ProfileOptions) -> None:
@@ -75,8 +79,9 @@ def _check_target(opts: ProfileOptions) -> None:
         )
 
 
-def profile_converted(loaded, opts: ProfileOptions) -> StepProfile:
-    """The converted model's step alone (what ``plan`` measures), no original step."""
+def profile_converted(loaded, opts: ProfileOptions, traces: dict | None = None) -> StepProfile:
+    """The converted model's step alone (what ``plan`` measures), no original step;
+    ``traces`` as in ``profile_model``."""
     _check_target(opts)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
@@ -86,7 +91,7 @@ def profile_converted(loaded, opts: ProfileOptions) -> StepProfile:
         _, modes = _step_modes(opts, fake_mode)
         with entered(*modes), index_errors(module, opts):
             params, sharded = _convert(module, layout, opts)
-            return _profile_step("converted", module, params, batch, opts, sharded)
+            return _profile_step("converted", module, params, batch, opts, sharded, traces)
 
 
 def _prepared(loaded, opts: ProfileOptions, fake_mode):
@@ -126,7 +131,7 @@ def _convert(module, layout, opts: ProfileOptions):
     return sharded.parameters(), sharded
 
 
-def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport:
+def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
     progress(STAGES[0], 0, len(STAGES))
     with entered(fake_mode):
         module, layout, ckpt_note = _prepared(loaded, opts, fake_mode)
@@ -134,11 +139,12 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress) -> ProfileReport
     attention, modes = _step_modes(opts, fake_mode)
     with entered(*modes), index_errors(module, opts):
         progress(STAGES[1], 1, len(STAGES))
-        original = _profile_step("original", module, list(module.parameters()), batch, opts)
+        params = list(module.parameters())
+        original = _profile_step("original", module, params, batch, opts, None, traces)
         progress(STAGES[2], 2, len(STAGES))
         params, sharded = _convert(module, layout, opts)
         progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step("converted", module, params, batch, opts, sharded)
+        converted = _profile_step("converted", module, params, batch, opts, sharded, traces)
     progress("done", len(STAGES), len(STAGES))
     kernels = dict(attention.used) if attention else {}
     return ProfileReport(
@@ -215,7 +221,7 @@ def _warm_up(opt, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _profile_step(variant, module, params, batch, opts, sharded=None) -> StepProfile:
+def _profile_step(variant, module, params, batch, opts, sharded=None, traces=None) -> StepProfile:
     masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.optimizer, stepped, _optimizer_impl(opts))
@@ -234,6 +240,8 @@ def _profile_step(variant, module, params, batch, opts, sharded=None) -> StepPro
         _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
     wall = time.perf_counter() - start
     timeline = tracker.replay(rows)
+    if traces is not None:
+        traces[variant] = tracker.alloc_trace()
     return StepProfile(
         variant=variant,
         peak=timeline.peak,

@@ -27,6 +27,10 @@ allocated by ``zeros_like`` inside backward, is a gradient from its first byte.
 A block with no role is an activation if the forward made it, else a temporary.
 The categories at the peak therefore sum to the peak by construction.
 
+Each block also keeps the CUDA stream it was allocated on (0 where there is no
+GPU: fake tensors run on none), so ``alloc_trace`` can hand the caching
+allocator's model (``memory.caching_allocator``) the step as the allocator sees it.
+
 Each block also remembers the modules whose forward was running when it was made;
 ``replay`` then gives, at the step's peak, the activation bytes alive by the
 innermost of them (the module that made them), so those rows add up to the peak's
@@ -44,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary, weakref
 
 from ..engine.layout import round_up
+from ..memory.caching_allocator import AllocTrace, TraceEvent
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer")
@@ -131,6 +136,8 @@ class StorageTracker(TorchDispatchMode):
         self._role: list[str | None] = []
         self._born: list[str] = []
         self._where: list[tuple[str, ...]] = []  # modules whose forward made the block
+        self._stream: list[int] = []  # the CUDA stream the block was allocated on
+        self._streams = torch.cuda.is_available()  # else every block is on stream 0
         self._events: list[tuple] = []
         self._refs: list = []
         self._phase = "setup"
@@ -174,9 +181,16 @@ class StorageTracker(TorchDispatchMode):
         self._role.append(None)
         self._born.append(self._phase)
         self._where.append(self._active)
+        self._stream.append(self._stream_of(st) if self._streams else 0)
         self._refs.append(weakref.ref(st, partial(self._freed, i)))
         self._resize(i, st.nbytes())
         return i
+
+    @staticmethod
+    def _stream_of(st) -> int:
+        if st.device.type != "cuda" or not torch.cuda.is_initialized():
+            return 0
+        return torch.cuda.current_stream(st.device).stream_id
 
     def _resize(self, i: int, nbytes: int) -> None:
         size = round_up(nbytes, self.round_bytes) if nbytes else 0
@@ -236,6 +250,31 @@ class StorageTracker(TorchDispatchMode):
         timeline = state.result(self.ops, len(self._size))
         made = self._made_at(state.peak_event, cats)
         return replace(timeline, peak_by_module=made)
+
+    def alloc_trace(self) -> AllocTrace:
+        """The step's allocations and frees as the caching allocator sees them, in
+        order: a block's first bytes allocate it, its last free it, and a resize in
+        between (``resize_``) allocates the new size before it frees the old, as the
+        copy it makes needs both. ``step_start``: the events before the forward (the
+        parameters, optimizer state and batch, registered as they are assigned)."""
+        events: list[TraceEvent] = []
+        size: dict[int, int] = {}
+        trace_id: dict[int, int] = {}  # block -> its current allocation's id
+        step_start = None
+        for ev in self._events:
+            if ev[0] == _PHASE and ev[1] == "forward" and step_start is None:
+                step_start = len(events)
+            if ev[0] != _SIZE:
+                continue
+            i, old = ev[1], size.get(ev[1], 0)
+            new = size[i] = old + ev[2]
+            if new > 0:
+                events.append(TraceEvent(len(events), new, self._stream[i]))
+            if old > 0:
+                events.append(TraceEvent(trace_id.pop(i), 0, self._stream[i]))
+            if new > 0:
+                trace_id[i] = events[-1 if old == 0 else -2].block
+        return AllocTrace(tuple(events), len(events) if step_start is None else step_start)
 
     def _made_at(self, last: int, cats: list[str]) -> dict[str, int]:
         """Activation bytes alive after event ``last``, by the innermost module that
