@@ -4,7 +4,8 @@ shell blocks in order, and every option they give a command is one it has.
 Each page's shell blocks (```bash) run one command at a time, in order, in one fresh
 temporary folder of that page's own, holding a copy of ``sample_models/`` and the
 folders ``python -m sample_models.hf_folders .`` writes (the pages name bundled
-files and those folders; the README's first block is that command). ``make`` lines
+files and those folders; the README's first block is that command, which the suite
+runs once for every page). ``make`` lines
 are skipped: they are this suite's own entry points (CI runs ``make test``). A
 command whose line ends in ``# exit N`` must exit N, every other one 0. A ```text
 block right after a shell block is output the page quotes: each of its lines must
@@ -32,6 +33,7 @@ from conftest import ROOT
 BLOCK = re.compile(r"```bash\n(.*?)```(?:\s*```text\n(.*?)```)?", re.S)
 EXIT = re.compile(r"#\s*exit (\d+)\s*$")
 SLOW = re.compile(r"#\s*slow:\s*(\S.*)$")
+SETUP = "python -m sample_models.hf_folders ."  # run once, by the workspace fixture
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 IDS = [str(p.relative_to(ROOT)) for p in PAGES]
 RUN_SLOW = os.environ.get("YAFSDP_DOCS_SLOW") == "1"
@@ -87,7 +89,7 @@ def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("docs-workspace")
     shutil.copytree(ROOT / "sample_models", root / "sample_models",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "sample_models.hf_folders", "."], cwd=root,
+    done = subprocess.run(SETUP.replace("python", sys.executable, 1), shell=True, cwd=root,
                           env=clean_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return root
@@ -112,6 +114,8 @@ def test_shell_blocks_run_in_order(page, workspace, tmp_path):
             continue
         printed = ""
         for command in commands:
+            if command.startswith(SETUP):  # the workspace holds what it writes
+                continue
             want = int(m.group(1)) if (m := EXIT.search(command)) else 0
             done = subprocess.run(["bash", "-c", command], cwd=here, env=env,
                                   capture_output=True, text=True, timeout=600)  # fmt: skip
