@@ -4,7 +4,7 @@ Copies the 1.24 GiB benchmark checkpoint (bench_convert) whole, file to file, in
 this process, with each way ``Copier`` can do it, beside ``cp`` of the same file;
 every method runs once per round, in a shuffled order, REPEAT rounds, each output
 deleted and ``sync`` run before each copy (outside the timing). No bar: this is
-the evidence for the choice (see README "Copying at the speed of cp"). Each line
+the evidence for the choice (docs/checkpoints.md, "Copying at the speed of cp"). Each line
 gives the wall time and the CPU time (user + system, both threads, cp's too): on
 a machine shared with other jobs the CPU time is the steadier figure.
 

@@ -1,8 +1,8 @@
-"""The ``fsdp`` column of ``inspect`` against real FSDP2, every rank (the README's table).
+"""The ``fsdp`` column of ``inspect`` against real FSDP2, every rank (docs/inspect.md).
 
-Bar (PRODUCT.md): the memory model's per-rank persistent bytes equal what real
+Bar: the memory model's per-rank persistent bytes equal what real
 FSDP2 holds within 1%, every rank. Real ``fully_shard`` on every decoder block and
-the root, gloo on this CPU, one AdamW step, on a dense Llama (4 blocks, hidden 128)
+the root, gloo on the CPU, one AdamW step, on a dense Llama (4 blocks, hidden 128)
 and a Mixtral with 4 fused experts (4 blocks, hidden 128), float32, at 3 and 8
 ranks, and the Mixtral again with the ``shard_placement_fn`` inspect recommends.
 Figures are parameters + gradients + AdamW ``exp_avg``/``exp_avg_sq`` storage bytes

@@ -2,8 +2,8 @@
 real step on a GPU: our tracker's peak and ``torch.cuda.max_memory_allocated``.
 
 Needs a CUDA device; elsewhere it says so and passes (nothing to compare). Not a bar:
-it prints the figures the README's ``--target cuda`` section should quote, labelled
-with the GPU. Written on a machine without a GPU, so not yet run.
+it prints both figures, labelled with the GPU, into benchmarks/RESULTS.md, which
+docs/profile.md's ``--target cuda`` section cites.
 
 python -m benchmarks.run profile_cuda
 """

@@ -1,4 +1,4 @@
-"""Bar: the README's torchrun line exits 0 on every one of 50 launches (no rank aborts
+"""Bar: docs/verify.md's torchrun line exits 0 on every one of 50 launches (no rank aborts
 at exit, no hang), and rank 0 alone prints the verdict.
 
 torchrun --nproc-per-node 2 --no-python yafsdp verify sample_models/gpt.safetensors \

@@ -48,7 +48,7 @@ CONFIGS = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
-    # larger ones for benchmarks/bench_fsdp2.py (the README's table)
+    # larger ones for benchmarks/bench_fsdp2.py (docs/inspect.md's FSDP2 column)
     "llama-bench": lambda: tf.LlamaConfig(
         vocab_size=1000,
         hidden_size=128,

@@ -174,7 +174,7 @@ def test_relayout_equals_planning_for_the_new_world_size():
 
 
 def test_flat_file_reads_with_plain_safetensors(tmp_path):
-    """What the README promises: safe_open + json give every parameter back."""
+    """What docs/checkpoints.md promises: safe_open + json give every parameter back."""
     src = sample("gpt.safetensors")
     flat = tmp_path / "flat.safetensors"
     convert_checkpoint(src, flat, world_size=4, align="megatron")

@@ -76,7 +76,7 @@ def test_sharded_persistent_part_is_per_rank():
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_converted_peak_not_above_the_original_when_sharded(sample_name, world_size):
     """At world size 1 (and 2 for the CNN, whose one root buffer stays gathered) the
-    converted peak is higher on these tiny models; see the README's profile section."""
+    converted peak is higher on these tiny models; see docs/profile.md."""
     r = profile(sample_name, world_size=world_size)
     assert r.converted_step.peak.total <= r.original.peak.total
     assert r.saving_bytes == r.original.peak.total - r.converted_step.peak.total

@@ -2,7 +2,7 @@
 
 What can flake is run many times here: a model with dropout under varied hash seeds,
 thread counts and allocation patterns (in new processes and in this one), and the
-README's torchrun line.
+torchrun line of docs/verify.md.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_a_model_that_draws_differently_is_named(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(BIN)) is None, reason="no torchrun")
 def test_the_readme_torchrun_line_exits_clean_every_time(tmp_path):
-    """README: torchrun --nproc-per-node 2 --no-python yafsdp verify SOURCE --world-size 2
+    """docs/verify.md: torchrun --nproc-per-node 2 --no-python yafsdp verify SOURCE --world-size 2
     (repeated 50 times by ``python -m benchmarks.run torchrun_exit``)."""
     root = Path(__file__).resolve().parents[1]
     argv = ["torchrun", "--nproc-per-node", "2", "--no-python", "yafsdp", "verify",

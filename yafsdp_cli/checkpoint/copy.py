@@ -32,7 +32,8 @@ thread, 0.96x. Why not read the page cache through ``mmap`` instead of ``preadv`
 (no copy into the buffer: 0.02 s less CPU per 1.24 GiB, the same wall time): a
 source truncated meanwhile by another program would kill this process with SIGBUS,
 leaving the temporary behind, where ``preadv`` reports a truncated file. Figures:
-``python -m benchmarks.run copy_methods``; README "Copying at the speed of cp".
+``python -m benchmarks.run copy_methods``; docs/checkpoints.md, "Copying at the
+speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated.
@@ -331,12 +332,10 @@ class Copier:
     def _reserve(self, dst_fd: int, at: int, n: int) -> None:
         """Allocate the output's blocks under ``[at, at + n)`` before they are written
         (``fallocate``): the write path then finds them mapped instead of reserving
-        each 4 KiB block for delayed allocation on the way. Measured on ext4 (the
-        1.24 GiB benchmark file, in-process, min of 6): the kernel copy 0.29 s alone,
-        0.21 s after ``fallocate``; ``cp`` 0.31 s (a later session's runs could not
-        tell the two apart: README). Only data is reserved, so holes stay
-        holes. A full disk is the output's error (before a byte is copied); a file
-        system without ``fallocate`` is not asked again."""
+        each 4 KiB block for delayed allocation on the way (``python -m benchmarks.run
+        copy_methods`` times the kernel copy with and without it). Only data is
+        reserved, so holes stay holes. A full disk is the output's error (before a
+        byte is copied); a file system without ``fallocate`` is not asked again."""
         if n < RESERVE_MIN or not self.reserve:
             return
         try:

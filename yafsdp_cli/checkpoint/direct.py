@@ -18,8 +18,8 @@ writes do not touch the page cache: 0.40-0.50 s for the same file, steady. So
 only from a kernel copy ``DIRECT_MARGIN`` times slower (where the page cache is
 fast, as on most machines, the output then stays in it, as ``cp``'s does). The
 losing way is timed again now and then, less often each time it still loses.
-Figures: ``python -m benchmarks.run copy_methods``; README "Copying at the speed
-of cp".
+Figures: ``python -m benchmarks.run copy_methods``; docs/checkpoints.md, "Copying
+at the speed of cp".
 
 A direct write and a kernel copy into one file do not overlap: ext4 holds the
 file's lock through a direct write into new blocks, so a kernel copy is timed only

@@ -14,8 +14,8 @@ SCHEMA = "yafsdp.plan/1"
 GiB = 1024**3
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too
-# CUDA context + NCCL, held outside PyTorch's allocator on every rank (see README
-# "Will it fit?": the CUDA context of torch 2.x on an H100/H200 takes about 0.5 GiB,
+# CUDA context + NCCL, held outside PyTorch's allocator on every rank (see
+# docs/plan.md: the CUDA context of torch 2.x on an H100/H200 takes about 0.5 GiB,
 # NCCL's communicators and their buffers about 1 GiB more at these world sizes).
 DEFAULT_RESERVE = 2 * GiB
 ROUND_BYTES = 512  # the CUDA caching allocator hands out multiples of 512 bytes

@@ -345,7 +345,7 @@ def _notes(opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int]) -> tup
             "--target cuda without a GPU: attention accounted as CUDA's sdpa kernels save it "
             f"({used}; sm80+, default backend order), storages rounded to 512 B as CUDA's "
             "caching allocator does, the optimizer's CUDA default (foreach); kernel "
-            "workspaces are not counted (see the README)"
+            "workspaces are not counted (see docs/profile.md)"
         )
     if opts.param_dtype:
         notes.append(
