@@ -12,18 +12,8 @@ True
 """
 
 from .fit import context_length, plan_model, plan_source
-from .options import (
-    DEFAULT_RESERVE,
-    SCHEMA,
-    LinearityCheck,
-    PlanBreakdown,
-    PlanOptions,
-    PlanReport,
-    PlanRow,
-    Smallest,
-    parse_ints,
-    parse_size,
-)
+from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
+from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 
 __all__ = [
     "DEFAULT_RESERVE",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ..profiling import ProfileOptions
 from ..profiling.run import profile_converted
-from .options import LinearityCheck, PlanOptions
+from .plan_options import PlanOptions
+from .plan_report import LinearityCheck
 from .pool import Key, Origin, auto_jobs, run_steps
 
 PHASES = ("forward", "backward", "optimizer")

@@ -9,14 +9,8 @@ True
 
 from __future__ import annotations
 
-from .results import (
-    SCHEMA,
-    CudaMemory,
-    ModuleShare,
-    ProfileOptions,
-    ProfileReport,
-    StepProfile,
-)
+from .profile_options import ProfileOptions
+from .profile_report import SCHEMA, CudaMemory, ModuleShare, ProfileReport, StepProfile
 from .run import profile_model, profile_source
 from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
 

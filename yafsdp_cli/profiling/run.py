@@ -37,7 +37,8 @@ from .kernels import CudaAttention
 from .modules import module_names, peak_shares, tracking_modules
 from .positions import index_errors
 from .precision import Masters, cast_params
-from .results import CudaMemory, ProfileOptions, ProfileReport, StepProfile
+from .profile_options import ProfileOptions
+from .profile_report import CudaMemory, ProfileReport, StepProfile
 from .tracker import StorageTracker
 
 CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
