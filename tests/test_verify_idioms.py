@@ -12,8 +12,8 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
 from yafsdp_cli.verify import single as verify_single
-from yafsdp_cli.verify.common import DETERMINISTIC_NOTE, deterministic_kernels
 from yafsdp_cli.verify.dist import run_world
+from yafsdp_cli.verify.harness import DETERMINISTIC_NOTE, deterministic_kernels
 
 runner = CliRunner()
 MODES = ("reentrant", "non-reentrant")

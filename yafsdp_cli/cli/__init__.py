@@ -68,7 +68,7 @@ def main() -> None:
 
     import typer
 
-    from .common import Terminated, on_sigterm
+    from .command_kit import Terminated, on_sigterm
 
     signal.signal(signal.SIGTERM, on_sigterm)
     app = load_commands(command_of(sys.argv[1:]))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.layout import Layout
-from ..memory.model import OPTIMIZER_STATES, MemoryConfig
+from ..memory.estimate import OPTIMIZER_STATES, MemoryConfig
 from ..sources.state import CheckpointState
 
 DEFAULT_OPTIMIZER = "adamw"

@@ -8,8 +8,8 @@ and ``fileio``; inspect, verify, profiling and the gate import it.
 """
 
 from .config import MemoryBreakdown, MemoryConfig
+from .estimate import MemoryReport, assumptions, estimate_memory
 from .fsdp2 import Fsdp2Memory, RankGroup, UnevenSplit, persistent_by_rank, rank_groups
-from .model import MemoryReport, assumptions, estimate_memory
 
 __all__ = [
     "Fsdp2Memory",

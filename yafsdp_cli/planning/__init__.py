@@ -11,7 +11,7 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 True
 """
 
-from .fit import context_length, plan_model, plan_source
+from .fit_grid import context_length, plan_model, plan_source
 from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
 from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 

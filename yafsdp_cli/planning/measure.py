@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..profiling import ProfileOptions
-from ..profiling.run import profile_converted
+from ..profiling.profiler import profile_converted
 from .plan_options import PlanOptions
 from .plan_report import LinearityCheck
 from .pool import Key, Origin, auto_jobs, run_steps

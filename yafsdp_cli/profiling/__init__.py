@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .profile_options import ProfileOptions
 from .profile_report import SCHEMA, CudaMemory, ModuleShare, ProfileReport, StepProfile
-from .run import profile_model, profile_source
+from .profiler import profile_model, profile_source
 from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.idioms import check_checkpointing
-from ..engine.step import check_optimizer
+from ..engine.train_step import check_optimizer
 from ..errors import YafsdpError
 from .precision import check_training_dtypes
 

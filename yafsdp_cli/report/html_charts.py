@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from .common import human_bytes
+from .formatting import human_bytes
 from .html_base import esc, num, x
 
 PHASES = ("forward", "backward", "optimizer")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .files import TORCH_SUFFIXES, natural_key, spec_from_tensors, weights_in_folder, with_spec
 from .load import load_source
-from .model import NO_ARCH_NOTE, LoadedModel, TensorReader
+from .loaded import NO_ARCH_NOTE, LoadedModel, TensorReader
 
 __all__ = [
     "NO_ARCH_NOTE",

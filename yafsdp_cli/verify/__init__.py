@@ -7,9 +7,9 @@ on N ranks (``dist``) and the entry points that pick one (``run``). It may impor
 checkpoint command line, through ``cli``) import it.
 """
 
-from .common import TensorDiff, VerifyOptions, VerifyReport
-from .fit import MemoryBudgetError, RunPlan, plan_run
-from .run import check_before_launch, model_check, verify_model, verify_source
+from .entry import check_before_launch, model_check, verify_model, verify_source
+from .harness import TensorDiff, VerifyOptions, VerifyReport
+from .run_plan import MemoryBudgetError, RunPlan, plan_run
 
 __all__ = [
     "MemoryBudgetError",

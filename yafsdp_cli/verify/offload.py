@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..engine.layout import round_up
-from ..engine.step import make_optimizer
+from ..engine.train_step import make_optimizer
 from .store import StepReader, keep_on_disk
 
 

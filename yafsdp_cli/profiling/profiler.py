@@ -23,7 +23,7 @@ from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
-from ..engine.step import (
+from ..engine.train_step import (
     Batch,
     make_batch,
     make_optimizer,

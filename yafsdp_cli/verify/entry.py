@@ -9,9 +9,9 @@ import torch
 from ..engine.plan import plan
 from ..errors import YafsdpError
 from .budget import peak_rss
-from .common import VerifyOptions, VerifyReport, prepare
 from .dist import launched_by_torchrun, run_world, torchrun_rank, verify_this_rank
-from .fit import RunPlan, plan_run
+from .harness import VerifyOptions, VerifyReport, prepare
+from .run_plan import RunPlan, plan_run
 from .single import run_single
 
 
