@@ -1,4 +1,4 @@
-"""Which modules account for grown activations (``gate.check.explain``)."""
+"""Which modules account for grown activations (``gate.regressions.explain``)."""
 
 from __future__ import annotations
 

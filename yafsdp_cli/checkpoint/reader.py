@@ -4,7 +4,7 @@
 defensive safetensors parser, the layout against its checksum and invariants,
 each file's tensors against the layout, each rank file against the index);
 ``FlatCheckpoint.verify`` then checks every byte once: checksums and zero padding
-(``check.py``; bytes a copier has just copied are not read twice). Nothing is
+(``integrity.py``; bytes a copier has just copied are not read twice). Nothing is
 trusted before both have passed.
 """
 

@@ -10,7 +10,7 @@ name, and the metadata maps each dropped name to the stored one, so
 ``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
 ``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
-``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp.py``).
+``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
 """
 
 from __future__ import annotations

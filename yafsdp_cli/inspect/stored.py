@@ -1,6 +1,6 @@
 """A training checkpoint's own optimizer state, against what the memory model counts.
 
-A DCP checkpoint (``sources.dcp``) says from its metadata alone which optimizer states
+A DCP checkpoint (``sources.dcp_folder``) says from its metadata alone which optimizer states
 it holds, in which dtype, for how many parameters. ``inspect`` then takes the
 optimizer from the checkpoint when ``--optimizer`` is not given, and reports the
 measured bytes beside the memory model's figure for the same parameters, so a

@@ -1,7 +1,7 @@
 """The per-rank memory model: what each rank holds under each scheme.
 
 Owns the bytes of parameters, gradients, optimizer states and communication
-buffers per rank for DDP, ZeRO-2/3 and the flat layout (``model``), and FSDP2's
+buffers per rank for DDP, ZeRO-2/3 and the flat layout (``estimate``), and FSDP2's
 per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
 a ``MemoryConfig`` (``config``) with no torch. It may import ``engine``, ``errors``
 and ``fileio``; inspect, verify, profiling and the gate import it.

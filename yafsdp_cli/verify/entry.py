@@ -18,7 +18,7 @@ from .single import run_single
 def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> VerifyReport:
     """Verify a loaded model (``sources.load_source``) in this process.
 
-    First its peak is estimated (``fit.plan_run``): a run that cannot fit raises
+    First its peak is estimated (``run_plan.plan_run``): a run that cannot fit raises
     ``MemoryBudgetError`` before anything is allocated, or, without ``--blocks``,
     runs on the most blocks that fit. ``on_plan(RunPlan)`` is called before the run.
 

@@ -55,7 +55,7 @@ class OffloadedOptimizer:
 
     def held_bytes(self, round_bytes: int) -> int:
         """What the state would hold in memory after the last step, each tensor
-        rounded to ``round_bytes`` (as ``common.held_bytes`` counts storages)."""
+        rounded to ``round_bytes`` (as ``harness.held_bytes`` counts storages)."""
         return sum(round_up(n, round_bytes) for n in self._held if n)
 
     def _load(self, i: int, p: torch.Tensor, opt: torch.optim.Optimizer) -> None:
