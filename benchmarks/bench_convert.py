@@ -1,15 +1,15 @@
-"""Bars: `convert`, `restore` and `reshard` at the speed of `cp` (issue 13).
+"""Bars: `convert`, `restore` and `reshard` at the speed of `cp`.
 
     wall  <= 1.3 x cp of the same file (1.5 x for --world-size 8 --sharded output),
     RSS   <= the interpreter floor (python -c pass) + 100 MB,
 
 each the median of 5 runs, every run paired with a `cp` of its input right before or
 after it (the order alternates), so both see the same load. Both outputs of a pair
-are removed before each run: on this project's machine a write into the page cache
-is fast when it can reuse the pages of a file just deleted and slow when the pages
-must come back from the host, so removing only a command's own output would hand
-`cp` its previous output's pages every time, and none to a yafsdp run that wrote
-with O_DIRECT (README "Copying at the speed of cp"). The input is a
+are removed before each run: on a VM that hands free pages back to its host, a write
+into the page cache is fast when it can reuse the pages of a file just deleted and
+slow when the pages must come back from the host, so removing only a command's own
+output would hand `cp` its previous output's pages every time, and none to a yafsdp
+run that wrote with O_DIRECT (README "Copying at the speed of cp"). The input is a
 Llama-shaped fp32 checkpoint (4 decoder layers, hidden 2048, intermediate 5504,
 vocabulary 32000, untied head: 1.24 GiB) written once under benchmarks/data/
 (git-ignored) with pseudo-random bytes; restore and reshard read the flat file that

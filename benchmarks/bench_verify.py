@@ -1,11 +1,11 @@
-"""``yafsdp verify`` on the checkpoints people have (issue 18).
+"""``yafsdp verify`` on the checkpoints people have.
 
 1. GPT-2 124M (random init, float32, saved as a Hugging Face folder here): verify's
    peak RSS over one model's training state (parameters + gradients + AdamW's two
    states, the bytes of ``estimate_memory``'s DDP column): bar 1.3.
 2. A 1.1B-parameter Llama-shaped bfloat16 folder (TinyLlama's shape: 22 blocks of
    2048, 5632 intermediate, 32000 vocabulary, untied), built here and deleted after:
-   ``yafsdp verify FOLDER`` with no option must pass on this machine; its wall time,
+   ``yafsdp verify FOLDER`` with no option must pass on the machine it runs on; its wall time,
    peak RSS and the blocks it checked are printed (no bar on the time).
 
 The folders go to ``benchmarks/data`` (git-ignored), about 0.5 GB and 2.2 GB.

@@ -7,7 +7,7 @@ lines are skipped: they are this suite's own entry points (CI runs ``make test``
 A command whose line ends in ``# exit N`` must exit N, every other one 0. A ```text
 block right after a shell block is output the README quotes: each of its lines must
 appear in what that block printed (whitespace collapsed), so quoted figures are
-today's.
+what the code prints.
 """
 
 from __future__ import annotations

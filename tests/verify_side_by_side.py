@@ -1,5 +1,5 @@
-"""The simultaneous verify (original and converted twin side by side, as verify ran
-before issue 18), kept for the test that the sequential run gives the same report."""
+"""The simultaneous verify (original and converted twin side by side), the reference
+for the test that the sequential run gives the same report."""
 
 from __future__ import annotations
 
