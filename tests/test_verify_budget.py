@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import yafsdp_cli.verify.run_plan as fit
+import yafsdp_cli.verify.run_plan as run_plan
 from tests import verify_side_by_side
 from yafsdp_cli import YafsdpError
 from yafsdp_cli.cli import app
@@ -31,7 +31,7 @@ def loaded(name):
 
 
 def _limit(monkeypatch, nbytes: int) -> None:
-    monkeypatch.setattr(fit, "available_memory", lambda: Available(nbytes, "test limit"))
+    monkeypatch.setattr(run_plan, "available_memory", lambda: Available(nbytes, "test limit"))
 
 
 # -- knowing before allocating ---------------------------------------------------------
@@ -203,7 +203,9 @@ def test_the_most_blocks_that_fit_are_chosen(tied_llama, monkeypatch):
     source, opts = load_source(str(path)), VerifyOptions(steps=1)
     big = Available(2**50, "x")
     two, three = (
-        fit.budget_for(source, opts, big, fit.BlockChoice(spread(k, 4), 4, "model.layers", ""))
+        run_plan.budget_for(
+            source, opts, big, run_plan.BlockChoice(spread(k, 4), 4, "model.layers", "")
+        )
         for k in (2, 3)
     )
     _limit(monkeypatch, (two.estimate.total + three.estimate.total) // 2)
