@@ -5,8 +5,8 @@ Owns the options and results of the check and the set-up both runs share
 allows (``budget``, ``blocks``, ``run_plan``), the single-process run (``single``,
 with ``store`` and ``offload`` keeping tensors on disk), the distributed run on N
 ranks (``dist``) and the entry points that pick one (``entry``). It may import
-``memory``, ``sources``, ``engine``, ``errors``; ``report``, ``cli`` (and the
-checkpoint command line, through ``cli``) import it.
+``memory``, ``sources``, ``engine``, ``errors``; ``planning`` (the memory this
+process may use), ``report`` and ``cli`` (the checkpoint commands too) import it.
 """
 
 from .entry import check_before_launch, model_check, verify_model, verify_source
