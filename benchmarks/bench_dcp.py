@@ -5,7 +5,7 @@
 
 The floor imports torch.distributed.checkpoint as well as torch: reading and writing
 DCP with torch's own reader and writer (as we must, to read what torch writes) pays
-for that import (about 1 s over torch alone on our 2-core machine); the factor is
+for that import (about 1 s over torch alone on 2 cores); the factor is
 ``bench_convert``'s.
 
 The input is ``bench_convert``'s Llama-shaped fp32 checkpoint (1.24 GiB, largest

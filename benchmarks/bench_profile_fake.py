@@ -1,6 +1,6 @@
 """Bar: ``profile --fake`` of Llama-2-70B (batch 1, 4096 tokens, AdamW) at world size
 256, forward + backward + optimizer step of the original *and* of the converted
-model: under 30 s and under 1 GB peak RSS on this 2-core machine.
+model: under 30 s and under 1 GB peak RSS on 2 CPU cores.
 
 The model is transformers' ``LlamaForCausalLM`` built from the ``config.json`` that
 ``meta-llama/Llama-2-70b-hf`` ships (written below; a config-only folder is built on

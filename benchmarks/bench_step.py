@@ -61,7 +61,7 @@ def bench_model():
 
 
 def _step(model, opt, ids, seed) -> float:
-    from yafsdp_cli.engine.step import step_loss
+    from yafsdp_cli.engine.train_step import step_loss
 
     start = time.perf_counter()
     step_loss(model(ids), seed).backward()
@@ -73,7 +73,7 @@ def _step(model, opt, ids, seed) -> float:
 def paired_times(impl: str, pairs: int = PAIRS) -> tuple[float, float, float]:
     """(median original s, median converted s, median of the per-pair ratios)."""
     from yafsdp_cli import convert_module, plan, spec_from_module
-    from yafsdp_cli.engine.step import make_optimizer
+    from yafsdp_cli.engine.train_step import make_optimizer
 
     original = bench_model()
     converted = copy.deepcopy(original)

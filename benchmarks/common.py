@@ -66,7 +66,7 @@ def measure(argv: list[str], *, env: dict | None = None, stdout_to: Path | None 
 
 def compile_package() -> None:
     """Compile yafsdp_cli's bytecode, as installing a package does. Where
-    ``PYTHONDONTWRITEBYTECODE`` is set (this project's machines set it) a run never
+    ``PYTHONDONTWRITEBYTECODE`` is set a run never
     writes its .pyc files, so without this every timed command would compile the
     package's sources again: about 20 ms of each start-up, which no installed copy
     pays."""

@@ -21,8 +21,8 @@ def gloo_threads() -> int:
 
 def worker(rank: int, tmp: str) -> None:
     from yafsdp_cli.sources import load_source
-    from yafsdp_cli.verify.common import VerifyOptions
     from yafsdp_cli.verify.dist import _init, leave_group, verify_this_rank
+    from yafsdp_cli.verify.harness import VerifyOptions
 
     _init(rank, 2, f"file://{tmp}/store", "cpu")
     # --model builds the architecture on the meta device, which imports dynamo

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.gate.baseline import MemoryFigures
-from yafsdp_cli.gate.check import compare_memory
+from yafsdp_cli.gate.regressions import compare_memory
 
 runner = CliRunner()
 

@@ -94,7 +94,7 @@ def test_dropped_checkpointing_fails_naming_activations(models, tmp_path):
 
 def test_the_fake_step_gives_the_same_figures_every_time(models):
     from yafsdp_cli.gate.baseline import StepInputs
-    from yafsdp_cli.gate.step import measure_step
+    from yafsdp_cli.gate.step_figures import measure_step
     from yafsdp_cli.sources import load_source
 
     inputs = StepInputs(2, 64, "none", 2, "adamw")

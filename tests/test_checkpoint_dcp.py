@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli import CheckpointError
 from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
-from yafsdp_cli.checkpoint import dcp as dcp_out
+from yafsdp_cli.checkpoint import dcp_restore as dcp_out
 from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 

@@ -93,7 +93,7 @@ def test_padding_ranges_cover_exactly_the_bytes_no_entry_covers(
     shapes, dtype, world_size, align, sharded
 ):
     from yafsdp_cli import ModelSpec, TensorRecord, plan
-    from yafsdp_cli.checkpoint.check import padding
+    from yafsdp_cli.checkpoint.integrity import padding
     from yafsdp_cli.engine import dtypes
 
     spec = ModelSpec(

@@ -1,10 +1,10 @@
-"""Which modules account for grown activations (``gate.check.explain``)."""
+"""Which modules account for grown activations (``gate.regressions.explain``)."""
 
 from __future__ import annotations
 
 from yafsdp_cli.gate.baseline import ModuleSaved
-from yafsdp_cli.gate.check import explain, module_changes
-from yafsdp_cli.gate.step import pattern, saved_by_pattern
+from yafsdp_cli.gate.regressions import explain, module_changes
+from yafsdp_cli.gate.step_figures import pattern, saved_by_pattern
 
 
 def rows(**saved: int) -> tuple[ModuleSaved, ...]:

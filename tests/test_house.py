@@ -150,3 +150,31 @@ def test_every_room_says_what_it_owns():
     for init in sorted(PKG.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.split()) >= 15, f"{init.parent.name}/__init__.py needs its docstring"
+
+
+def stems(paths) -> dict[str, list[str]]:
+    """Each module's last name (a package's is its folder's) and where it appears."""
+    seen: dict[str, list[str]] = {}
+    for path in paths:
+        rel = path.relative_to(PKG)
+        stem = rel.parent.name if path.name == "__init__.py" else path.stem
+        if stem:  # the package's own __init__
+            seen.setdefault(stem, []).append(str(rel))
+    return seen
+
+
+def test_no_two_modules_share_a_name():
+    """A module name says what it does and appears once: ``from .check import`` must
+    never leave the reader asking which ``check``."""
+    shared = {s: where for s, where in stems(sorted(PKG.rglob("*.py"))).items() if len(where) > 1}
+    assert not shared, f"module names used more than once: {shared}"
+
+
+def test_the_name_check_sees_a_shared_name():
+    paths = [PKG / "gate" / "check.py", PKG / "report" / "check.py", PKG / "engine" / "__init__.py"]
+    assert stems(paths) == {
+        "check": ["gate/check.py", "report/check.py"],
+        "engine": ["engine/__init__.py"],
+    }
+    clash = [PKG / "engine" / "__init__.py", PKG / "checkpoint" / "engine.py"]
+    assert stems(clash) == {"engine": ["engine/__init__.py", "checkpoint/engine.py"]}

@@ -16,7 +16,7 @@ from benchmarks.bench_inspect_70b import write_sparse
 from tests.browser import Browser, skip_reason
 from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
-from yafsdp_cli.report.common import human_bytes
+from yafsdp_cli.report.formatting import human_bytes
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 runner = CliRunner()

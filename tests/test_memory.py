@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from yafsdp_cli import ModelSpec, TensorRecord, YafsdpError, plan
-from yafsdp_cli.memory.model import MemoryConfig, assumptions, estimate_memory
+from yafsdp_cli.memory.estimate import MemoryConfig, assumptions, estimate_memory
 
 BF16_NUMEL = 1024 + 2 * 4096  # 9216
 FP32_NUMEL = 64

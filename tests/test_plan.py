@@ -14,7 +14,7 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.planning import PlanOptions, parse_ints, parse_size, plan_model
 from yafsdp_cli.profiling import ProfileOptions
-from yafsdp_cli.profiling.run import profile_converted
+from yafsdp_cli.profiling.profiler import profile_converted
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()

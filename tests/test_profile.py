@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli import convert_module, plan, spec_from_module
 from yafsdp_cli.cli import app
-from yafsdp_cli.engine.step import make_batch, step_loss
+from yafsdp_cli.engine.train_step import make_batch, step_loss
 from yafsdp_cli.profiling import CATEGORIES, ProfileOptions, StorageTracker, profile_model
 from yafsdp_cli.sources import load_source
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from yafsdp_cli import SourceError
 from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.sources.dcp import DcpReader
+from yafsdp_cli.sources.dcp_folder import DcpReader
 
 runner = CliRunner()
 SCHEMA = json.loads(

@@ -19,8 +19,8 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.cli.progress import StageBar, WaitBar
 from yafsdp_cli.inspect.build import inspect_model
 from yafsdp_cli.report.bars import GLYPHS, BarRow, StackedBars, cells
-from yafsdp_cli.report.common import human_bytes
-from yafsdp_cli.report.inspect import memory_bars
+from yafsdp_cli.report.formatting import human_bytes
+from yafsdp_cli.report.inspect_view import memory_bars
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()
@@ -142,7 +142,7 @@ def test_a_stage_bar_closed_before_its_delay_never_shows():
 
 def test_profile_reports_every_stage_in_order():
     from yafsdp_cli.profiling import ProfileOptions, profile_source
-    from yafsdp_cli.profiling.run import STAGES
+    from yafsdp_cli.profiling.profiler import STAGES
 
     seen = []
     profile_source(

@@ -17,14 +17,14 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.engine.module_spec import spec_from_module
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.verify.common import (
+from yafsdp_cli.verify.entry import verify_model
+from yafsdp_cli.verify.harness import (
     Tolerance,
     VerifyOptions,
     diff_tensors,
     held_bytes,
     resolve_tolerances,
 )
-from yafsdp_cli.verify.run import verify_model
 
 runner = CliRunner()
 EXACT = {"float32": Tolerance("float32", 0.0, 0.0), "bfloat16": Tolerance("bfloat16", 0, 0)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import yafsdp_cli.verify.fit as fit
+import yafsdp_cli.verify.run_plan as run_plan
 from tests import verify_side_by_side
 from yafsdp_cli import YafsdpError
 from yafsdp_cli.cli import app
@@ -20,7 +20,7 @@ from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import MemoryBudgetError, VerifyOptions, verify_model
 from yafsdp_cli.verify.blocks import parse_blocks, spread
 from yafsdp_cli.verify.budget import Available, available_memory, cgroup_available
-from yafsdp_cli.verify.common import prepare
+from yafsdp_cli.verify.harness import prepare
 from yafsdp_cli.verify.single import run_single
 
 runner = CliRunner()
@@ -31,7 +31,7 @@ def loaded(name):
 
 
 def _limit(monkeypatch, nbytes: int) -> None:
-    monkeypatch.setattr(fit, "available_memory", lambda: Available(nbytes, "test limit"))
+    monkeypatch.setattr(run_plan, "available_memory", lambda: Available(nbytes, "test limit"))
 
 
 # -- knowing before allocating ---------------------------------------------------------
@@ -64,7 +64,7 @@ def test_rlimit_as_is_read_in_a_limited_process():
         """
         import resource, sys
         import torch, safetensors.torch, sample_models.models
-        import yafsdp_cli.verify, yafsdp_cli.report.verify, yafsdp_cli.cli.verify_cmd
+        import yafsdp_cli.verify, yafsdp_cli.report.verify_view, yafsdp_cli.cli.verify_cmd
         from yafsdp_cli.cli import app
         size = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1])
         limit = size * 1024 + 160 * 2**20
@@ -203,7 +203,9 @@ def test_the_most_blocks_that_fit_are_chosen(tied_llama, monkeypatch):
     source, opts = load_source(str(path)), VerifyOptions(steps=1)
     big = Available(2**50, "x")
     two, three = (
-        fit.budget_for(source, opts, big, fit.BlockChoice(spread(k, 4), 4, "model.layers", ""))
+        run_plan.budget_for(
+            source, opts, big, run_plan.BlockChoice(spread(k, 4), 4, "model.layers", "")
+        )
         for k in (2, 3)
     )
     _limit(monkeypatch, (two.estimate.total + three.estimate.total) // 2)

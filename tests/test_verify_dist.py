@@ -13,10 +13,10 @@ from yafsdp_cli import YafsdpError
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.module_spec import spec_from_module
 from yafsdp_cli.engine.plan import plan
-from yafsdp_cli.memory.model import MemoryConfig, estimate_memory
+from yafsdp_cli.memory.estimate import MemoryConfig, estimate_memory
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.verify.common import VerifyOptions
 from yafsdp_cli.verify.dist import _first_error, launched_by_torchrun, run_world, torchrun_rank
+from yafsdp_cli.verify.harness import VerifyOptions
 
 runner = CliRunner()
 

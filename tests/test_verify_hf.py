@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
-from yafsdp_cli.engine.step import make_batch
+from yafsdp_cli.engine.train_step import make_batch
 from yafsdp_cli.profiling import ProfileOptions, profile_source
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from yafsdp_cli.engine.step import make_optimizer
+from yafsdp_cli.engine.train_step import make_optimizer
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
 from yafsdp_cli.verify import single as verify_single

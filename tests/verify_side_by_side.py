@@ -1,5 +1,5 @@
-"""The simultaneous verify (original and converted twin side by side, as verify ran
-before issue 18), kept for the test that the sequential run gives the same report."""
+"""The simultaneous verify (original and converted twin side by side), the reference
+for the test that the sequential run gives the same report."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import copy
 
 from yafsdp_cli.engine.flat import FlatModel, convert_module
 from yafsdp_cli.engine.layout import Layout
-from yafsdp_cli.engine.step import (
+from yafsdp_cli.engine.train_step import (
     forward_backward,
     make_optimizer,
     optimizer_tensors,
     rng_fingerprint,
 )
-from yafsdp_cli.verify.common import (
+from yafsdp_cli.verify.harness import (
     Prepared,
     RankMemory,
     Recorder,

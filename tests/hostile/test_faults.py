@@ -230,7 +230,7 @@ def test_ctrl_c_ends_a_plan_and_its_workers(after_s):
 _INTERRUPT_IN_A_FINALIZER = """
 import multiprocessing, signal, sys, time, weakref
 import torch
-from yafsdp_cli.cli.common import interrupt_ends_at_once
+from yafsdp_cli.cli.command_kit import interrupt_ends_at_once
 
 def ring(_ref):  # Ctrl-C arriving while torch frees a storage: a finalizer runs
     signal.raise_signal(signal.SIGINT)

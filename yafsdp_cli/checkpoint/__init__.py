@@ -8,7 +8,15 @@ per stored tensor (see ``format.py``). With ``sharded=True`` it is a folder of
 buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
 
 ``restore_checkpoint(..., fmt="dcp")`` writes a torch.distributed.checkpoint folder
-instead (``dcp.py``), for FSDP2 and torchtitan.
+instead (``dcp_restore.py``), for FSDP2 and torchtitan.
+
+Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
+calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
+data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
+safetensors file, staged outputs), ``copy`` and ``direct`` (moving bytes by file
+ranges), ``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore`` and
+``results``. It may import ``sources``, ``engine``, ``fileio`` and ``errors``; only
+``cli`` and ``report`` import it.
 
 Everything streams: no function here holds a model, and none imports torch except
 ``restore`` to ``.pt`` (and a source that needs it, such as a ``.pt`` state dict).

@@ -19,7 +19,7 @@ from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
 from .copy import Copier, FileRange
-from .engine import stored_kept, write_flat, zeros
+from .flat_writer import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip

@@ -16,24 +16,23 @@ The kernel copies every range: ``os.copy_file_range``, else ``os.sendfile``, els
 buffered reads (a method that fails once with "not supported here" is not tried
 again; one that stops short is finished by the next). Before a data range of 1 MiB
 or more is copied, its output blocks are allocated (``fallocate``): ext4 then maps
-them instead of reserving each 4 KiB block on the write path, which once made the
-kernel copy about 30% cheaper here (``Copier._reserve``). Bytes that must be
-checksummed (the output's checksums; with ``record`` the input's too, kept in a
-``Ledger`` so that the check after the copy need not read them again) are then
-read back from the page cache into a 4 MiB buffer and CRC-32'd, by a second thread
-while the kernel copies (ranges of 8 MiB and more; both release the GIL); a
-range whose CRC the ledger has (a kept tensor copied into every rank file) is
-not read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
-``pwrite``), which touches the bytes once: on this project's machine it measured
-as fast as ``cp`` at times and 3-5x slower at others (the kernel's write path for
-large user-space writes; ``copy_file_range`` never varied). The kernel copy with
-the read back after it cost 1.33-1.39x ``cp``; with the read back in the second
-thread, 0.96x. Why not read the page cache through ``mmap`` instead of ``preadv``
-(no copy into the buffer: 0.02 s less CPU per 1.24 GiB, the same wall time): a
-source truncated meanwhile by another program would kill this process with SIGBUS,
-leaving the temporary behind, where ``preadv`` reports a truncated file. Figures:
-``python -m benchmarks.run copy_methods``; docs/checkpoints.md, "Copying at the
-speed of cp".
+them instead of reserving each 4 KiB block on the write path (``Copier._reserve``;
+``python -m benchmarks.run copy_methods`` times the copy with and without it). Bytes
+that must be checksummed (the output's checksums; with ``record`` the input's too,
+kept in a ``Ledger`` so that the check after the copy need not read them again) are
+then read back from the page cache into a 4 MiB buffer and CRC-32'd, by a second
+thread while the kernel copies (ranges of 8 MiB and more; both release the GIL); a
+range whose CRC the ledger has (a kept tensor copied into every rank file) is not
+read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
+``pwrite``), which touches the bytes once: ``copy_methods`` measures it as fast as
+``cp`` at times and 3-5x slower at others (the kernel's write path for large
+user-space writes; ``copy_file_range`` does not vary). The kernel copy with the read
+back after it costs 1.33-1.39x ``cp``; with the read back in the second thread,
+0.96x. Why not read the page cache through ``mmap`` instead of ``preadv`` (no copy
+into the buffer: 0.02 s less CPU per 1.24 GiB, the same wall time): a source
+truncated meanwhile by another program would kill this process with SIGBUS, leaving
+the temporary behind, where ``preadv`` reports a truncated file. Figures:
+``python -m benchmarks.run copy_methods``; README "Copying at the speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated.
@@ -332,10 +331,11 @@ class Copier:
     def _reserve(self, dst_fd: int, at: int, n: int) -> None:
         """Allocate the output's blocks under ``[at, at + n)`` before they are written
         (``fallocate``): the write path then finds them mapped instead of reserving
-        each 4 KiB block for delayed allocation on the way (``python -m benchmarks.run
-        copy_methods`` times the kernel copy with and without it). Only data is
-        reserved, so holes stay holes. A full disk is the output's error (before a
-        byte is copied); a file system without ``fallocate`` is not asked again."""
+        each 4 KiB block for delayed allocation on the way
+        (``python -m benchmarks.run copy_methods`` times the kernel copy with and
+        without it). Only data is reserved, so holes stay holes. A full disk is the
+        output's error (before a byte is copied); a file system without
+        ``fallocate`` is not asked again."""
         if n < RESERVE_MIN or not self.reserve:
             return
         try:

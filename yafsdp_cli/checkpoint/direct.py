@@ -10,10 +10,10 @@ direct writes.
   while the next chunk is read.
 
 Why: writing into the page cache costs a core a memcpy into newly allocated pages.
-On this project's machine (a VM that hands free pages back to its host) that swung
-from 0.27 s to over 5 s per 1.24 GiB, run to run: fast when the pages of a file
-just deleted are reused, slow when they must come back from the host. Direct
-writes do not touch the page cache: 0.40-0.50 s for the same file, steady. So
+On a VM that hands free pages back to its host that cost swings from 0.27 s to over
+5 s per 1.24 GiB, run to run: fast when the pages of a file just deleted are
+reused, slow when they must come back from the host. Direct writes do not touch
+the page cache: 0.40-0.50 s for the same file, steady. So
 ``Rates`` times both ways and the faster takes the chunks; direct writes take over
 only from a kernel copy ``DIRECT_MARGIN`` times slower (where the page cache is
 fast, as on most machines, the output then stays in it, as ``cp``'s does). The

@@ -60,25 +60,25 @@ YAFSDP_KEYS = (
     KEY_SOURCE_META,
 )
 
-# Checksum: CRC-32 (zlib), written as "crc32:%08x". Measured on this project's
-# 2-core AMD EPYC (SHA-NI, AVX-512) with 16 MiB chunks of random data, Python 3.11:
+# Checksum: CRC-32 (zlib), written as "crc32:%08x". Throughput on an AMD EPYC with
+# SHA-NI and AVX-512, 16 MiB chunks of random data, Python 3.11:
 #   crc32 4.07 GB/s, adler32 3.54, sha1 1.90, sha256 1.78, md5 0.75, blake2b 0.76,
-#   sha512 0.71, blake2s 0.43, sha3_256 0.42   (/tmp/hashbench.py in the report)
+#   sha512 0.71, blake2s 0.43, sha3_256 0.42
 # The checksum guards against corruption (a flipped byte, a truncated copy, a file
 # from another conversion), not against an attacker, who could rewrite any unkeyed
 # digest in the same header; CRC-32 detects every error burst up to 32 bits and
 # misses a random corruption with probability 2**-32, at 2.3x sha256's speed,
 # which matters on a path whose bar is 2x a plain copy. Readers also accept
-# "sha256:" so the algorithm can change without a new format version. Since
-# issue 13 the same CRC-32 is computed by isal when installed (crc.py: 30 GB/s
-# against zlib's 4.9), so files and their checksums are unchanged.
+# "sha256:" so the algorithm can change without a new format version. The same
+# CRC-32 is computed by isal when installed (crc.py: 30 GB/s against zlib's 4.9),
+# so files and their checksums do not depend on it.
 CHECKSUM_ALGO = "crc32"
 
 # Bytes per step for byte streams that have no file behind them (a .pt state dict's
 # tensors, the --verify comparison); file ranges go through copy.Copier, whose
-# measured best step is larger (4 MiB, benchmarks/bench_copy_methods.py). Before
-# issue 13: 128 KiB kept a chunk in L2 between read, checksum and write (0.9-1.1 s
-# for the 1.24 GiB benchmark file, against 1.8-4.2 s with 16 MiB, median of 3).
+# measured best step is larger (4 MiB, benchmarks/bench_copy_methods.py). 128 KiB
+# keeps a chunk in L2 between read, checksum and write (0.9-1.1 s for the 1.24 GiB
+# benchmark file, against 1.8-4.2 s with 16 MiB, median of 3).
 STREAM_CHUNK = 128 * 1024
 
 

@@ -4,7 +4,7 @@
 defensive safetensors parser, the layout against its checksum and invariants,
 each file's tensors against the layout, each rank file against the index);
 ``FlatCheckpoint.verify`` then checks every byte once: checksums and zero padding
-(``check.py``; bytes a copier has just copied are not read twice). Nothing is
+(``integrity.py``; bytes a copier has just copied are not read twice). Nothing is
 trusted before both have passed.
 """
 
@@ -21,9 +21,8 @@ from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
 from ..sources.safetensors_file import StHeader, read_header
-from .check import StoredTensor, Ticks, digest_of, padding
 from .copy import Copier, FileRange
-from .engine import file_slots
+from .flat_writer import file_slots
 from .format import (
     FORMAT_VERSION,
     INDEX_FORMAT,
@@ -48,6 +47,7 @@ from .format import (
     parse_layout,
     rank_file_name,
 )
+from .integrity import StoredTensor, Ticks, digest_of, padding
 from .results import Progress
 
 

@@ -18,7 +18,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from ..errors import CheckpointError
 from .copy import Copier
-from .engine import write_flat, zeros
+from .flat_writer import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult
 from .writer import check_flat_name, check_output, staged_output

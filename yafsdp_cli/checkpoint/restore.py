@@ -10,7 +10,7 @@ name, and the metadata maps each dropped name to the stored one, so
 ``safetensors.torch.load_model(model, path)`` and yafsdp itself see the tie. A
 ``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
-``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp.py``).
+``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..errors import CheckpointError
 from .copy import Copier, FileRange, coalesce
-from .engine import stored_kept
+from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot, data_order
 from .reader import FlatCheckpoint, open_flat, read_chunks
 from .results import Progress, RestoreResult, WrittenFile
@@ -81,7 +81,7 @@ def restore_checkpoint(
     fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
     if fmt == "dcp":
-        from .dcp import restore_dcp
+        from .dcp_restore import restore_dcp
 
         return restore_dcp(ckpt, out, state_dict_items(ckpt), force=force, progress=progress)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)

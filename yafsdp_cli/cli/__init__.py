@@ -11,6 +11,10 @@ the module of the command it runs (all of them for ``--help`` or an unknown name
 each command imports its library inside its function, and Rich is imported when
 something is rendered (never under ``--json``). ``app`` from this package has every
 command.
+
+Modules: ``root`` (the app), one ``*_cmd`` per command, ``command_kit`` (consoles,
+the error boundary, options shared by several commands), ``progress`` and
+``html_out``. It may import every room.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def main() -> None:
 
     import typer
 
-    from .common import Terminated, on_sigterm
+    from .command_kit import Terminated, on_sigterm
 
     signal.signal(signal.SIGTERM, on_sigterm)
     app = load_commands(command_of(sys.argv[1:]))

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from .command_kit import (
     EXIT_CHECK_FAILED,
     ExcludeOpt,
     FilterOpt,
@@ -121,7 +121,7 @@ def check_command(
         check_html_path(html, source, baseline)
         from ..engine.idioms import check_checkpointing
         from ..gate.baseline import plan_baseline
-        from ..gate.run import CheckRequest, run_check
+        from ..gate.run_check import CheckRequest, run_check
 
         plan_doc = plan_baseline(baseline)
         if plan_doc is not None:
@@ -164,7 +164,7 @@ def check_command(
 
 
 def _written(path: Path, current) -> str:
-    from ..report.common import human_bytes
+    from ..report.formatting import human_bytes
 
     text = f"wrote baseline {path} (flat {human_bytes(current.memory.flat_bytes)} per rank"
     if current.step is not None:
@@ -181,7 +181,7 @@ def _write_page(html: Path | None, result, report) -> None:
 
 
 def _render(result, json_out: bool, markdown: bool) -> None:
-    from ..report import check as view
+    from ..report import gate_view as view
 
     if json_out:
         sys.stdout.write(view.to_json(result) + "\n")

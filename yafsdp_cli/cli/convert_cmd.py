@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from .command_kit import (
     EXIT_CHECK_FAILED,
     AlignOpt,
     ExcludeOpt,
@@ -90,7 +90,7 @@ def convert_command(
     """Write a flat-buffer checkpoint (one file, or one file per rank with --sharded)."""
     with errors_to_exit():
         from ..checkpoint import convert_checkpoint
-        from ..report import checkpoint as view
+        from ..report import checkpoint_view as view
 
         with ProgressBar(not json_out) as bar:
             result = convert_checkpoint(
@@ -145,7 +145,7 @@ def restore_command(
     """Flat-buffer checkpoint back to an ordinary state dict, bit for bit."""
     with errors_to_exit():
         from ..checkpoint import restore_checkpoint
-        from ..report import checkpoint as view
+        from ..report import checkpoint_view as view
 
         with ProgressBar(not json_out) as bar:
             result = restore_checkpoint(flat, output, force=force, progress=bar, fmt=fmt)
@@ -169,7 +169,7 @@ def reshard_command(
     """Re-split a flat checkpoint for another rank count (no model needed)."""
     with errors_to_exit():
         from ..checkpoint import reshard_checkpoint
-        from ..report import checkpoint as view
+        from ..report import checkpoint_view as view
 
         with ProgressBar(not json_out) as bar:
             result = reshard_checkpoint(

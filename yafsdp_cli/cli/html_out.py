@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from ..errors import YafsdpError
-from .common import stderr
+from .command_kit import stderr
 
 HtmlOpt = Annotated[
     Path | None,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from .command_kit import (
     AlignOpt,
     ExcludeOpt,
     FilterOpt,
@@ -129,7 +129,7 @@ def inspect_command(
 
 
 def _render(report, fmt: str, show_all: bool) -> None:
-    from ..report import inspect as view
+    from ..report import inspect_view as view
 
     if fmt == "json":
         sys.stdout.write(view.to_json(report) + "\n")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from .command_kit import (
     AlignOpt,
     ExcludeOpt,
     FilterOpt,
@@ -131,7 +131,7 @@ def plan_command(
         )
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
-        from ..report import plan as view
+        from ..report import plan_view as view
 
         if html is not None:
             write_html(html, view.plan_page(report))
@@ -149,9 +149,9 @@ def check_plan(doc: dict, trust_pickle: bool) -> None:
     a configuration that fitted no longer does."""
     import json
 
-    from ..gate.check import plan_regressions
+    from ..gate.regressions import plan_regressions
     from ..planning import PlanOptions, plan_source
-    from ..report import plan as view
+    from ..report import plan_view as view
 
     recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in doc["options"].items()}
     opts = PlanOptions(**recorded)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import (
+from .command_kit import (
     AlignOpt,
     ExcludeOpt,
     FilterOpt,
@@ -120,7 +120,7 @@ def profile_command(
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
         from ..profiling import ProfileOptions, profile_source
-        from ..profiling.run import STAGES
+        from ..profiling.profiler import STAGES
 
         opts = ProfileOptions(
             optimizer=optimizer,
@@ -156,7 +156,7 @@ def profile_command(
 
 
 def _render(report, fmt: str) -> None:
-    from ..report import profile as view
+    from ..report import profile_view as view
 
     if fmt == "json":
         sys.stdout.write(view.to_json(report) + "\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .common import real_console, stderr
+from .command_kit import real_console, stderr
 
 
 class ProgressBar:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .common import State
+from .command_kit import State
 
 app = typer.Typer(
     name="yafsdp",

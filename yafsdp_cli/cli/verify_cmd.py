@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import YafsdpError
-from .common import (
+from .command_kit import (
     EXIT_CHECK_FAILED,
     EXIT_NOT_REPRODUCIBLE,
     EXIT_OK,
@@ -163,7 +163,7 @@ def verify_command(
         # the ranks are other processes: a pulsing bar while they run, none under torchrun
         waiting = world_size > 1 and fmt != "json" and not launched_by_torchrun()
         title = f"verify on {world_size} ranks, {steps} steps"
-        from ..report import verify as view
+        from ..report import verify_view as view
         from ..verify import MemoryBudgetError
 
         def header(run_plan) -> None:
@@ -189,7 +189,7 @@ def exit_code(report) -> int:
 
 
 def _render(report, fmt: str) -> None:
-    from ..report import verify as view
+    from ..report import verify_view as view
 
     if fmt == "json":
         sys.stdout.write(view.to_json(report) + "\n")

@@ -86,7 +86,7 @@ class DistComm:
         import torch.distributed as dist
 
         self.dist, self.group = dist, group
-        # torch 2.13 renamed all_gather_into_tensor (and warns on the old name)
+        # torch 2.13 names it all_gather_single and warns on all_gather_into_tensor
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -2,5 +2,6 @@
 
 Owns ``InspectReport`` and its parts (``build``): the planned layout, per-buffer
 shard rows and the memory model's figures, as frozen dataclasses the report layer
-renders. It may import ``memory``, ``sources``, ``engine``, ``errors``.
+renders, and a training checkpoint's own optimizer state beside the model's
+(``stored``). It may import ``memory``, ``sources``, ``engine``, ``errors``.
 """

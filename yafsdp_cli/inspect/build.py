@@ -26,8 +26,14 @@ from ..engine.plan import plan
 from ..engine.records import ModelSpec, TensorRecord
 from ..engine.units import ROOT
 from ..errors import FilterError, SourceError
+from ..memory.estimate import (
+    MemoryBreakdown,
+    MemoryConfig,
+    MemoryReport,
+    assumptions,
+    estimate_memory,
+)
 from ..memory.fsdp2 import RankGroup, UnevenSplit, check_placement
-from ..memory.model import MemoryBreakdown, MemoryConfig, MemoryReport, assumptions, estimate_memory
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
 SCHEMA = "yafsdp.inspect/1"

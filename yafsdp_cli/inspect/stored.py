@@ -1,6 +1,6 @@
 """A training checkpoint's own optimizer state, against what the memory model counts.
 
-A DCP checkpoint (``sources.dcp``) says from its metadata alone which optimizer states
+A DCP checkpoint (``sources.dcp_folder``) says from its metadata alone which optimizer states
 it holds, in which dtype, for how many parameters. ``inspect`` then takes the
 optimizer from the checkpoint when ``--optimizer`` is not given, and reports the
 measured bytes beside the memory model's figure for the same parameters, so a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.layout import Layout
-from ..memory.model import OPTIMIZER_STATES, MemoryConfig
+from ..memory.estimate import OPTIMIZER_STATES, MemoryConfig
 from ..sources.state import CheckpointState
 
 DEFAULT_OPTIMIZER = "adamw"

@@ -1,7 +1,7 @@
 """The per-rank memory model: what each rank holds under each scheme.
 
 Owns the bytes of parameters, gradients, optimizer states and communication
-buffers per rank for DDP, ZeRO-2/3 and the flat layout (``model``), and FSDP2's
+buffers per rank for DDP, ZeRO-2/3 and the flat layout (``estimate``), and FSDP2's
 per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
 a ``MemoryConfig`` (``config``) with no torch; and what PyTorch's CUDA caching
 allocator reserves for a step's allocation trace (``caching_allocator``, its
@@ -13,8 +13,8 @@ gate import it.
 from .alloc_conf import AllocatorConf, parse_alloc_conf
 from .caching_allocator import AllocTrace, ReservedEstimate, TraceEvent, first_fit, reserved_of
 from .config import MemoryBreakdown, MemoryConfig
+from .estimate import MemoryReport, assumptions, estimate_memory
 from .fsdp2 import Fsdp2Memory, RankGroup, UnevenSplit, persistent_by_rank, rank_groups
-from .model import MemoryReport, assumptions, estimate_memory
 
 __all__ = [
     "AllocTrace",

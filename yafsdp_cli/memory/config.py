@@ -3,7 +3,7 @@
 ``MemoryConfig`` is what the user chose (optimizer, gradient dtype, master weights,
 allocator rounding); ``MemoryBreakdown`` is one rank's bytes under one scheme;
 ``whole_bytes`` is what tensors cost when each is allocated on its own (DDP, and
-the parameters a scheme keeps unsharded). ``model`` (DDP, flat, ZeRO) and
+the parameters a scheme keeps unsharded). ``estimate`` (DDP, flat, ZeRO) and
 ``fsdp2`` (FSDP2's per-parameter placement) build on these.
 """
 

@@ -4,6 +4,12 @@ The room above ``profiling``: it combines the memory model (``memory``) with fak
 runs of the converted model's step (``profiling``) into a grid of world size x
 micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
+Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
+the grid (``fit_grid``), the fake runs and the lines fitted through them
+(``measure``) and the processes that run them at once (``pool``). It may import
+``profiling``, ``verify`` (the memory this process may use), ``inspect``,
+``memory``, ``sources``, ``engine`` and ``errors``.
+
 >>> from yafsdp_cli.planning import PlanOptions, plan_source
 >>> report = plan_source(None, model="sample_models.models:gpt",
 ...                      opts=PlanOptions(gpu_memory=2**30))  # doctest: +SKIP
@@ -11,19 +17,9 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 True
 """
 
-from .fit import context_length, plan_model, plan_source
-from .options import (
-    DEFAULT_RESERVE,
-    SCHEMA,
-    LinearityCheck,
-    PlanBreakdown,
-    PlanOptions,
-    PlanReport,
-    PlanRow,
-    Smallest,
-    parse_ints,
-    parse_size,
-)
+from .fit_grid import context_length, plan_model, plan_source
+from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
+from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 
 __all__ = [
     "DEFAULT_RESERVE",

@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..profiling import ProfileOptions
-from ..profiling.run import profile_converted
-from .options import LinearityCheck, PlanOptions
+from ..profiling.profiler import profile_converted
+from .plan_options import PlanOptions
+from .plan_report import LinearityCheck
 from .pool import Key, Origin, auto_jobs, run_steps
 
 PHASES = ("forward", "backward", "optimizer")

@@ -1,5 +1,12 @@
 """``yafsdp profile``: measured peak memory of one training step, original vs converted.
 
+Owns what profile is asked (``profile_options``) and what it answers
+(``profile_report``), the two steps it takes (``profiler``), the storage tracker
+(``tracker``, with module names from ``modules``), the fake step and the kernels it
+substitutes (``fake``, ``kernels``), mixed precision (``precision``) and the check of
+sequence lengths (``positions``). It may import ``sources``, ``engine`` and
+``errors``; ``planning``, ``gate``, ``report`` and ``cli`` import it.
+
 >>> from yafsdp_cli.profiling import ProfileOptions, profile_source
 >>> report = profile_source(None, model="sample_models.models:gpt",
 ...                         opts=ProfileOptions(fake=True))  # doctest: +SKIP
@@ -9,15 +16,9 @@ True
 
 from __future__ import annotations
 
-from .results import (
-    SCHEMA,
-    CudaMemory,
-    ModuleShare,
-    ProfileOptions,
-    ProfileReport,
-    StepProfile,
-)
-from .run import profile_model, profile_source
+from .profile_options import ProfileOptions
+from .profile_report import SCHEMA, CudaMemory, ModuleShare, ProfileReport, StepProfile
+from .profiler import profile_model, profile_source
 from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
 
 __all__ = [

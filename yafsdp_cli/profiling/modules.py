@@ -15,7 +15,7 @@ import re
 
 from torch import nn
 
-from .results import ModuleShare
+from .profile_report import ModuleShare
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 

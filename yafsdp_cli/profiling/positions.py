@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import YafsdpError
 
 LIMIT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "block_size", "max_seq_len")
-FORWARD_FAILED = "the model's forward failed"  # how engine.step.run_forward's errors begin
+FORWARD_FAILED = "the model's forward failed"  # how engine.train_step.run_forward's errors begin
 
 
 class PositionLimitError(YafsdpError):

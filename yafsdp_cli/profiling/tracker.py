@@ -1,21 +1,21 @@
 """Which storages a training step allocates, when, and what each one is for.
 
 [Note: why a dispatch mode of our own, not torch's MemTracker]
-``torch.distributed._tools.mem_tracker.MemTracker`` was tried on the sample models
-and on the 70B Llama config under FakeTensorMode (torch 2.13, this 2-core machine):
+``torch.distributed._tools.mem_tracker.MemTracker`` (torch 2.13), on the sample
+models and on the 70B Llama config under FakeTensorMode, 2 CPU cores:
 
 - it files everything allocated inside ``optimizer.step()`` as optimizer state, so
-  the step's temporaries count as state: on the converted sample GPT it reported
+  the step's temporaries count as state: on the converted sample GPT it reports
   1,564,428 B of "Optstate" at the peak where the states are 964,620 B (the rest is
   AdamW's ``denom`` of a whole flat buffer, a temporary);
 - after every op it walks every module it tracks and deep-copies snapshots: a fake
-  forward + backward + for-loop AdamW step of the 70B config took 234 s (original)
+  forward + backward + for-loop AdamW step of the 70B config takes 234 s (original)
   and 227 s (converted, 35 s of it the forward alone), against about 5 s for the
   same step without it;
 - it needs ``reset_mod_stats()`` between steps and has no notion of our phases.
 
 It does count the flat gradient buffer as a gradient (its grad hooks see the flat
-parameter), so correctness was not the problem; the two above are. This mode is a
+parameter), so correctness is not the problem; the two above are. This mode is a
 few dozen lines: every op's output storages become blocks with their size and
 birth phase; a weakref on each storage records its free; ``resize_`` (which the
 sharded runtime uses to free and refill whole buffers, and which no dispatch mode

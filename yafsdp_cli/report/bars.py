@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
-from .common import human_bytes
+from .formatting import human_bytes
 
 # Shared with the HTML page so both speak in the same colours.
 PALETTE = ("#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2")

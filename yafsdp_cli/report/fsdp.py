@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..inspect.build import InspectReport, SchemeMemory
-from .common import Section, human_bytes
+from .formatting import Section, human_bytes
 
 WHY = (
     "fully_shard cuts dim 0 with torch.chunk: every rank allocates the largest chunk "

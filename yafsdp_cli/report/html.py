@@ -20,14 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..inspect.build import InspectReport
-from .common import human_bytes, human_count
+from .formatting import human_bytes, human_count
 from .html_base import StackRow, cards, esc, notes_html, page, section_html, stacked_bars
 from .html_charts import plan_heatmap, timeline_svg
 from .html_layout import layout_section
-from .inspect import SCHEME_HEADERS, memory_section, notes, summary_section
+from .inspect_view import SCHEME_HEADERS, memory_section, notes, summary_section
 
 if TYPE_CHECKING:  # the profiling room imports torch; inspect pages must not
-    from ..gate.check import CheckReport
+    from ..gate.regressions import CheckReport
     from ..profiling import ProfileReport
 
 MEMORY_CATEGORIES = (  # (SchemeMemory field, label)
@@ -106,8 +106,8 @@ def memory_html(report: InspectReport) -> str:
 
 def profile_page(report: ProfileReport) -> str:
     from ..profiling import CATEGORIES
-    from .profile import LABELS, module_section, peak_section, verdict
-    from .profile import summary_section as profile_summary
+    from .profile_view import LABELS, module_section, peak_section, verdict
+    from .profile_view import summary_section as profile_summary
 
     o, c = report.original, report.converted_step
     change = 100.0 * (c.peak.total - o.peak.total) / o.peak.total if o.peak.total else 0.0
@@ -159,7 +159,7 @@ def check_page(result: CheckReport | None, current: InspectReport) -> str:
 
 
 def _check_html(result: CheckReport) -> str:
-    from .check import verdict
+    from .gate_view import verdict
 
     rows = []
     for m in result.metrics:

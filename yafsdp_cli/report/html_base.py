@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .bars import PALETTE
-from .common import Section, human_bytes
+from .formatting import Section, human_bytes
 
 WIDTH = 1000  # SVG user units across a stretched bar
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from .common import human_bytes
+from .formatting import human_bytes
 from .html_base import esc, num, x
 
 PHASES = ("forward", "backward", "optimizer")
@@ -130,7 +130,7 @@ def _variant(variant, colour, ser, bands, ymax, prof) -> list[str]:
 def plan_heatmap(plan: Mapping) -> str:
     """The plan's fits grid as a heat map: the hook for ``yafsdp plan --html``.
 
-    ``plan`` is the plan result as JSON-like data (``report.common.plain`` of its
+    ``plan`` is the plan result as JSON-like data (``report.formatting.plain`` of its
     dataclass, or its ``--json`` document)::
 
         {"gpu_memory_bytes": 85899345920,

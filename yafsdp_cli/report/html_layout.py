@@ -17,9 +17,9 @@ import bisect
 from ..engine import dtypes
 from ..engine.layout import FlatEntry
 from ..inspect.build import BufferInfo, InspectReport
-from .common import human_bytes
+from .formatting import human_bytes
 from .html_base import WIDTH, esc, num, section_html, x
-from .inspect import buffer_section, shard_section
+from .inspect_view import buffer_section, shard_section
 
 # Entry colours by position, so neighbours differ and q_proj is one colour in every block.
 ENTRY_COLORS = (

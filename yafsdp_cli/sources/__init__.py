@@ -12,9 +12,10 @@ Hugging Face folders (``config.json``; the ``hf`` extra), ``--model module:facto
 with or without weights, ``torch.export`` programs (``*.pt2``), and
 ``torch.distributed.checkpoint`` (DCP) folders (``.metadata`` + ``*.distcp``).
 
-Rooms: ``model`` (``LoadedModel``), ``files`` (weight files by kind), ``load``
-(``load_source``), ``hf`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``), ``dcp``, ``dcp_meta`` and ``state`` (DCP folders). This package may
+Modules: ``loaded`` (``LoadedModel``), ``load`` (``load_source``), ``files`` (weight
+files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets),
+``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
+``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders). This package may
 import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
 checkpoint or the CLI.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from .files import TORCH_SUFFIXES, natural_key, spec_from_tensors, weights_in_folder, with_spec
 from .load import load_source
-from .model import NO_ARCH_NOTE, LoadedModel, TensorReader
+from .loaded import NO_ARCH_NOTE, LoadedModel, TensorReader
 
 __all__ = [
     "NO_ARCH_NOTE",

@@ -25,7 +25,7 @@ from ..errors import SourceError
 
 
 def load_export(path: Path, trust_pickle: bool = False):
-    from .model import LoadedModel
+    from .loaded import LoadedModel
 
     if not trust_pickle:
         raise SourceError(

@@ -22,7 +22,7 @@ from torch import nn
 from ..engine.module_spec import spec_from_module
 from ..engine.records import ModelSpec
 from ..errors import SourceError
-from .model import LoadedModel, cwd_importable
+from .loaded import LoadedModel, cwd_importable
 
 
 def resolve_factory(text: str):

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..engine.records import ModelSpec, TensorRecord
 from ..engine.units import detect_units_from_names, name_prefixes
 from ..errors import SourceError
-from .model import NO_ARCH_NOTE, LoadedModel
+from .loaded import NO_ARCH_NOTE, LoadedModel
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -58,7 +58,7 @@ def weights_in_folder(path: Path) -> Path | None:
 def _load_dcp_part(path: Path) -> LoadedModel:
     """A DCP folder, given by its ``.metadata``: the weights' spec and a streaming
     reader; the rest of the checkpoint is described in ``extra["checkpoint_state"]``."""
-    from .dcp import open_dcp
+    from .dcp_folder import open_dcp
 
     if path.name != ".metadata":
         raise SourceError(

@@ -33,7 +33,7 @@ from ..errors import SourceError
 from ..fileio import read_json
 from .files import load_file, weights_in_folder, with_spec
 from .hf_readers import PretrainedReader, RenamedReader, quiet_transformers
-from .model import LoadedModel
+from .loaded import LoadedModel
 
 EXTRA = "pip install 'yafsdp-cli[hf]'"
 

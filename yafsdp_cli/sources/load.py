@@ -7,7 +7,7 @@ from pathlib import Path
 from ..errors import SourceError
 from ..fileio import require_file
 from .files import load_file, weights_in_folder
-from .model import LoadedModel
+from .loaded import LoadedModel
 
 
 def load_source(

@@ -1,6 +1,6 @@
 """What a training checkpoint holds besides the weights: plain results, no torch.
 
-``sources.dcp`` fills them from a DCP folder's metadata; ``inspect`` reports them
+``sources.dcp_folder`` fills them from a DCP folder's metadata; ``inspect`` reports them
 without importing torch (a safetensors source never does).
 """
 

@@ -22,7 +22,7 @@ from torch import nn
 from ..engine import dtypes
 from ..errors import SourceError
 from ..fileio import read_json
-from .model import cwd_importable
+from .loaded import cwd_importable
 from .shards import shard_names, shard_path
 
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")

@@ -1,15 +1,17 @@
 """``yafsdp verify``: does the converted model train exactly like the original?
 
-Owns the options and results of the check and its pieces (``common``), the tensor
-comparison (``compare``), the single-process run (``single``), the distributed run
-on N ranks (``dist``) and the entry points that pick one (``run``). It may import
-``memory``, ``sources``, ``engine``, ``errors``; ``report``, ``cli`` (and the
-checkpoint command line, through ``cli``) import it.
+Owns the options and results of the check and the set-up both runs share
+(``harness``), the tensor comparison (``compare``), the peak estimate and the run it
+allows (``budget``, ``blocks``, ``run_plan``), the single-process run (``single``,
+with ``store`` and ``offload`` keeping tensors on disk), the distributed run on N
+ranks (``dist``) and the entry points that pick one (``entry``). It may import
+``memory``, ``sources``, ``engine``, ``errors``; ``planning`` (the memory this
+process may use), ``report`` and ``cli`` (the checkpoint commands too) import it.
 """
 
-from .common import TensorDiff, VerifyOptions, VerifyReport
-from .fit import MemoryBudgetError, RunPlan, plan_run
-from .run import check_before_launch, model_check, verify_model, verify_source
+from .entry import check_before_launch, model_check, verify_model, verify_source
+from .harness import TensorDiff, VerifyOptions, VerifyReport
+from .run_plan import MemoryBudgetError, RunPlan, plan_run
 
 __all__ = [
     "MemoryBudgetError",

@@ -40,8 +40,8 @@ from torch import nn
 
 from ..engine import dtypes
 from ..engine.layout import Layout
-from ..engine.step import output_tensor
-from ..memory.model import MemoryConfig, estimate_memory
+from ..engine.train_step import output_tensor
+from ..memory.estimate import MemoryConfig, estimate_memory
 
 ACTIVATION_FACTOR = 2
 TEMPORARY_FACTOR = 3

@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from ..engine.flat import convert_module
 from ..engine.sharded import DistComm, ShardedFlat, mirror_graph_breaks
-from ..engine.step import forward_backward, make_optimizer, optimizer_tensors
+from ..engine.train_step import forward_backward, make_optimizer, optimizer_tensors
 from ..errors import YafsdpError
-from .common import (
+from .harness import (
     Prepared,
     Recorder,
     VerifyOptions,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..engine.layout import round_up
-from ..engine.step import make_optimizer
+from ..engine.train_step import make_optimizer
 from .store import StepReader, keep_on_disk
 
 
@@ -55,7 +55,7 @@ class OffloadedOptimizer:
 
     def held_bytes(self, round_bytes: int) -> int:
         """What the state would hold in memory after the last step, each tensor
-        rounded to ``round_bytes`` (as ``common.held_bytes`` counts storages)."""
+        rounded to ``round_bytes`` (as ``harness.held_bytes`` counts storages)."""
         return sum(round_up(n, round_bytes) for n in self._held if n)
 
     def _load(self, i: int, p: torch.Tensor, opt: torch.optim.Optimizer) -> None:

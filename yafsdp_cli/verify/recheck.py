@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .common import Recorder, TensorDiff, VerifyReport
+from .harness import Recorder, TensorDiff, VerifyReport
 from .store import ReferenceStore
 
 START = -1  # the store's "step" holding the starting values

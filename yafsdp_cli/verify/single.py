@@ -32,9 +32,9 @@ import torch
 from ..engine.flat import FlatModel, convert_module
 from ..engine.idioms import compiled
 from ..engine.layout import Layout
-from ..engine.step import forward_backward, rng_fingerprint
+from ..engine.train_step import forward_backward, rng_fingerprint
 from .budget import release_freed
-from .common import (
+from .harness import (
     Prepared,
     RankMemory,
     Recorder,

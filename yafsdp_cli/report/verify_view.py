@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from ..verify.blocks import BlockChoice
 from ..verify.budget import Budget
-from ..verify.common import TensorDiff, VerifyReport
-from .common import Section, human_bytes, json_document, plain, section_markdown, section_table
+from ..verify.harness import TensorDiff, VerifyReport
+from .formatting import Section, human_bytes, json_document, plain, section_markdown, section_table
 
 SCHEMA = "yafsdp.verify/1"
 

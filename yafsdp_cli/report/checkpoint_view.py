@@ -17,7 +17,7 @@ from ..checkpoint.results import (
     RestoreResult,
     RoundTrip,
 )
-from .common import human_bytes, human_count, json_document, rich_table
+from .formatting import human_bytes, human_count, json_document, rich_table
 
 if TYPE_CHECKING:  # Rich is imported by the views only: the JSON documents never need it
     from rich.table import Table

@@ -6,8 +6,8 @@ Nothing is computed here beyond differences of figures the report holds.
 from __future__ import annotations
 
 from ..profiling import CATEGORIES, SCHEMA, ProfileReport, StepProfile
-from .common import human_bytes, json_document
-from .verify import Section, markdown_sections, rich_sections
+from .formatting import human_bytes, json_document
+from .verify_view import Section, markdown_sections, rich_sections
 
 LABELS = {
     "parameters": "parameters",

@@ -28,7 +28,7 @@ from .baseline import (
     portable_model,
     write_baseline,
 )
-from .check import (
+from .regressions import (
     MEMORY_TOLERANCE,
     STEP_TOLERANCE,
     CheckReport,
@@ -141,7 +141,7 @@ def _step(req, old, loaded, report, inputs) -> tuple[StepFigures | None, tuple[s
         )
     if not req.update and (old is None or old.step is None):
         return None, ("fake step: not in the baseline; --update records one",)
-    from .step import measure_step
+    from .step_figures import measure_step
 
     return measure_step(loaded, step_inputs(req, old, report), inputs), ()
 

@@ -49,12 +49,12 @@ from ..engine.idioms import apply_checkpointing, check_checkpointing, compiled
 from ..engine.layout import Layout, round_up
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
-from ..engine.step import (
+from ..engine.train_step import (
     check_optimizer,
     make_batch,
 )
 from ..errors import YafsdpError
-from ..memory.model import MemoryConfig, estimate_memory
+from ..memory.estimate import MemoryConfig, estimate_memory
 from .blocks import BlockChoice, blocked_source, build_with_blocks, parse_blocks
 from .budget import Budget
 from .compare import (  # noqa: F401 - the comparison is part of verify's API

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..planning import SCHEMA, PlanReport, PlanRow
-from .common import human_bytes, json_document, markdown_table, plain
+from .formatting import human_bytes, json_document, markdown_table, plain
 
 MARK = {True: "fits", False: "OOM"}
 

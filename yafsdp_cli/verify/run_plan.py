@@ -25,7 +25,7 @@ from .budget import (
     estimate_peak,
     process_rss,
 )
-from .common import VerifyOptions, batch_for
+from .harness import VerifyOptions, batch_for
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ..gate.check import SCHEMA, CheckReport, MetricCheck, ModuleChange
-from .common import human_bytes, json_document, markdown_table, rich_table
+from ..gate.regressions import SCHEMA, CheckReport, MetricCheck, ModuleChange
+from .formatting import human_bytes, json_document, markdown_table, rich_table
 
 HEADERS = ("figure", "baseline", "current", "change", "")
 MODULE_HEADERS = ("module", "count", "baseline", "current", "change")

@@ -23,7 +23,7 @@ from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.sharded import LocalComm, ShardedFlat
-from ..engine.step import (
+from ..engine.train_step import (
     Batch,
     make_batch,
     make_optimizer,
@@ -37,7 +37,8 @@ from .kernels import CudaAttention
 from .modules import module_names, peak_shares, tracking_modules
 from .positions import index_errors
 from .precision import Masters, cast_params
-from .results import CudaMemory, ProfileOptions, ProfileReport, StepProfile
+from .profile_options import ProfileOptions
+from .profile_report import CudaMemory, ProfileReport, StepProfile
 from .tracker import StorageTracker
 
 CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes

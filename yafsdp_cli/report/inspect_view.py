@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..engine import dtypes
 from ..inspect.build import SCHEMA, BufferInfo, InspectReport, shard_rows
-from .common import (
+from .formatting import (
     Section,
     human_bytes,
     human_count,

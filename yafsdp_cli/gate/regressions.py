@@ -1,4 +1,4 @@
-"""``check``: the comparison of the current figures with a baseline's.
+"""The regressions ``yafsdp check`` looks for: current figures against a baseline's.
 
 Figures compared, all "more is worse":
 
@@ -6,7 +6,7 @@ Figures compared, all "more is worse":
   baseline, the largest unit (what is gathered at once) and the parameter count.
   Padding is not a figure of its own: it shows in the totals, and a few hundred
   bytes of it must not fail a build. Default tolerance ``MEMORY_TOLERANCE``;
-- the fake training step (``gate.step``): its peak, each phase's peak, the bytes
+- the fake training step (``gate.step_figures``): its peak, each phase's peak, the bytes
   of each category at the peak, and the activations the modules saved for backward
   (alive when backward began: what an attention switch or dropped checkpointing
   changes even where the peak moves to another moment and its activations shrink).

@@ -21,7 +21,8 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..sources import load_source
 from .measure import PhaseLine, Runner
-from .options import MAX_WORLD_SIZE, PlanBreakdown, PlanOptions, PlanReport, PlanRow, Smallest
+from .plan_options import MAX_WORLD_SIZE, PlanOptions
+from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
 
 DEFAULT_SEQ_LEN = 2048

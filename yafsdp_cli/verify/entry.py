@@ -9,16 +9,16 @@ import torch
 from ..engine.plan import plan
 from ..errors import YafsdpError
 from .budget import peak_rss
-from .common import VerifyOptions, VerifyReport, prepare
 from .dist import launched_by_torchrun, run_world, torchrun_rank, verify_this_rank
-from .fit import RunPlan, plan_run
+from .harness import VerifyOptions, VerifyReport, prepare
+from .run_plan import RunPlan, plan_run
 from .single import run_single
 
 
 def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> VerifyReport:
     """Verify a loaded model (``sources.load_source``) in this process.
 
-    First its peak is estimated (``fit.plan_run``): a run that cannot fit raises
+    First its peak is estimated (``run_plan.plan_run``): a run that cannot fit raises
     ``MemoryBudgetError`` before anything is allocated, or, without ``--blocks``,
     runs on the most blocks that fit. ``on_plan(RunPlan)`` is called before the run.
 

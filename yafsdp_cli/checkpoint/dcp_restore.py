@@ -117,7 +117,7 @@ def write_dcp(folder: Path, items: dict, progress: Progress | None = None) -> No
     }
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..sources.dcp import cause
+    from ..sources.dcp_folder import cause
 
     planner = _planner(items, progress)
     # One file per tensor: torch's writer keeps every tensor of a file until that

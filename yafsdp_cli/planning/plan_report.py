@@ -1,0 +1,87 @@
+"""What ``plan`` answers: the fits grid and its rows (frozen dataclasses; bytes only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan_options import PlanOptions
+
+SCHEMA = "yafsdp.plan/1"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanBreakdown:
+    """One rank's bytes at the step's peak. The first seven come from the memory model
+    (``estimate_memory(...).flat``); ``activations`` grows with micro-batch x sequence;
+    ``temporaries`` is the measured rest (may be negative where gradients are not
+    all allocated yet at the peak)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    master: int
+    buffers: int
+    gather: int
+    reduce: int
+    activations: int
+    temporaries: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    world_size: int
+    micro_batch: int
+    seq_len: int
+    checkpointing: str
+    peak_bytes: int  # the training step's peak per rank, reserve not included
+    needed_bytes: int  # peak + reserve: what the GPU must have
+    breakdown: PlanBreakdown
+    peak_phase: str  # forward | backward | optimizer
+    fits: bool
+    measured: bool  # False: extrapolated from the measured world size
+
+
+@dataclass(frozen=True, slots=True)
+class Smallest:
+    micro_batch: int
+    checkpointing: str
+    world_size: int | None  # None: no world size of the grid fits
+
+
+@dataclass(frozen=True, slots=True)
+class LinearityCheck:
+    checkpointing: str
+    world_size: int
+    micro_batch: int
+    predicted_bytes: int
+    measured_bytes: int
+
+    @property
+    def error(self) -> float:
+        return abs(self.predicted_bytes - self.measured_bytes) / max(self.measured_bytes, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    source: str
+    gpu_memory_bytes: int
+    reserve_bytes: int
+    round_bytes: int
+    seq_len: int
+    param_dtype: str
+    grad_dtype: str
+    optimizer: str
+    optimizer_impl: str
+    world_sizes: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    checkpointing: tuple[str, ...]
+    rows: tuple[PlanRow, ...]
+    smallest: tuple[Smallest, ...]
+    best: PlanRow | None
+    fake_runs: int
+    linearity: tuple[LinearityCheck, ...]
+    wall_s: float
+    notes: tuple[str, ...]
+    source_path: str | None = None  # what was given, so `check` can plan it again
+    model: str | None = None
+    options: PlanOptions | None = None

@@ -1,0 +1,68 @@
+"""What ``profile`` answers: its frozen results (bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tracker import Breakdown, ModuleMemory, PhaseSeries
+
+SCHEMA = "yafsdp.profile/1"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemory:
+    """``torch.cuda`` peaks over the tracked step (only with a GPU)."""
+
+    allocated_peak: int
+    reserved_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleShare:
+    """Activation bytes alive at the step's peak that modules of one name pattern made
+    (``model.layers.*.mlp.up_proj``: every layer's ``up_proj``, ``count`` of them)."""
+
+    name: str
+    kind: str  # the module class
+    count: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    variant: str  # "original" or "converted"
+    peak: Breakdown  # bytes alive at the step's peak, by category
+    peak_phase: str  # forward | backward | optimizer
+    phase_peaks: dict[str, int]  # the highest total in each phase
+    end: Breakdown  # alive after zero_grad: what the next step starts from
+    modules: tuple[ModuleMemory, ...]
+    peak_modules: tuple[ModuleShare, ...]  # the largest makers of the peak's activations
+    cuda: CudaMemory | None
+    ops: int
+    wall_s: float
+    series: tuple[PhaseSeries, ...] = ()  # bytes alive through each phase, for charts
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReport:
+    source: str
+    fake: bool
+    device: str
+    target: str  # whose kernels: cpu, or cuda (on a GPU, or substituted under --fake)
+    world_size: int  # the converted model runs as rank 0 of this many
+    optimizer: str
+    optimizer_impl: str
+    checkpointing: str
+    inputs: str  # e.g. "input_ids (1, 4096) int64"
+    round_bytes: int  # every storage rounded up to this (CUDA's allocator: 512)
+    flat_buffers: int
+    converted: int
+    kept: int
+    original: StepProfile
+    converted_step: StepProfile
+    kernels: dict[str, int]  # substituted CUDA attention kernels, by kind (--target cuda)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def saving_bytes(self) -> int:
+        return self.original.peak.total - self.converted_step.peak.total
