@@ -22,7 +22,7 @@ forward) and the flat buffer holds as zeros is accepted, with a note: torch's
 optimizers skip the one and step the other (weight decay, momentum), which the
 parameter comparison after the step then reports.
 
-With ``world_size > 1`` the check runs on that many processes (``verify_dist``):
+With ``world_size > 1`` the check runs on that many processes (``dist``):
 each rank keeps one shard of every flat buffer (``sharded.ShardedFlat``) and the
 gathered gradients and parameters must equal a single-process run of the original
 over every rank's micro-batches, summed in rank order. Each rank's persistent
