@@ -107,3 +107,14 @@ def test_the_readme_torchrun_line_exits_clean_every_time(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("OK: converted model matches") == 1  # rank 0 prints
         assert "terminate called" not in done.stderr and "SIGABRT" not in done.stderr
+
+
+@pytest.mark.slow
+def test_two_runs_side_by_side_beside_a_busy_core_all_pass(gpt2_with_dropout):
+    """The repetition benchmark's harshest one-rank series, small: two verify loops at
+    once and a busy process pinned to one core (``python -m benchmarks.run
+    verify_repeat`` runs 200 one-rank and 30 two-rank verifies)."""
+    from benchmarks.bench_verify_repeat import run_series
+
+    verdicts = run_series(gpt2_with_dropout, runs=2, loops=2, ranks=1, busy=True)
+    assert verdicts == ["ok"] * 4, verdicts
