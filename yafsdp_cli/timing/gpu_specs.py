@@ -55,7 +55,15 @@ class GpuSpec:
 def _gpu(name, memory, bf16, fp8, fp32, hbm, link, per_node, source) -> GpuSpec:
     """A row of the table in the datasheets' units: TFLOP/s and GB/s."""
     return GpuSpec(
-        name, memory, bf16 * TERA, fp8 * TERA, fp32 * TERA, hbm * GIGA, link * GIGA, per_node, source
+        name,
+        memory,
+        bf16 * TERA,
+        fp8 * TERA,
+        fp32 * TERA,
+        hbm * GIGA,
+        link * GIGA,
+        per_node,
+        source,
     )
 
 

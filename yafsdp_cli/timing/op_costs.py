@@ -113,13 +113,15 @@ class OpCounter(TorchDispatchMode):
 
 def launches_kernel(func) -> bool:
     """False for views (a return that aliases an input without writing it), empty
-    allocations and metadata ops."""
+    allocations and metadata ops (``prim.device``, ``sym_size``: no tensor made or
+    written)."""
     if func.overloadpacket in NO_KERNEL:
         return False
     schema = func._schema
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         return False
-    return True
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return writes or any("Tensor" in str(r.type) for r in schema.returns)
 
 
 def op_cost(func, args, kwargs, out, phase: str, recompute: bool) -> OpCost:
@@ -207,4 +209,3 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def total(costs, field: str) -> int:
     return sum(getattr(c, field) for c in costs)
-
