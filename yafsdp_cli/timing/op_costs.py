@@ -172,7 +172,7 @@ def _traffic(func, args, kwargs, out, ins) -> tuple[int, int, int]:
     written_args = _written(func, args, kwargs)
     outs = _fresh_outputs(func, out)
     if func.overloadpacket is aten.embedding:
-        weight, indices = args[0], args[1]
+        indices = args[1]  # args[0] is the table: only the looked-up rows are read
         rows = sum(_nbytes(t) for t in outs)  # the rows looked up, as the output holds them
         read = rows + _nbytes(indices)
         return read, rows, sum(t.numel() for t in outs)
