@@ -57,8 +57,10 @@ ATTENTION_BACKWARD = {
     aten._flash_attention_backward,
     aten._efficient_attention_backward,
 }
-# torch's backward formula is 5 products of the forward's 2 shapes (scores recomputed)
-BACKWARD_PRODUCTS, FORWARD_PRODUCTS = 5, 2
+# torch's backward formula is 5 products of the forward's shapes: the scores again,
+# then the gradients of the scores, of q, of k and of v (4, the model's own work)
+BACKWARD_PRODUCTS, MODEL_BACKWARD_PRODUCTS = 5, 4
+FUSED_ADAM = {aten._fused_adam_, aten._fused_adamw_}
 # ops that launch no kernel: they make views, allocate, or read metadata
 NO_KERNEL = {
     aten.empty,
@@ -153,7 +155,7 @@ def kernel_flops(func, args, kwargs, torch_flops: int) -> tuple[int, int]:
     causal = bool(named.get("is_causal", False)) and _square(named)
     kernel = torch_flops // 2 if causal else torch_flops
     if packet in ATTENTION_BACKWARD:
-        return kernel, torch_flops * FORWARD_PRODUCTS // BACKWARD_PRODUCTS
+        return kernel, torch_flops * MODEL_BACKWARD_PRODUCTS // BACKWARD_PRODUCTS
     return kernel, torch_flops
 
 
@@ -183,11 +185,17 @@ def _traffic(func, args, kwargs, out, ins) -> tuple[int, int, int]:
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The arguments the op writes, as its schema marks them; the fused Adam kernels'
+    schema marks the gradients written, which they are only when unscaled by a
+    ``grad_scale`` (mixed-precision float16 training)."""
+    named = _named_args(func, args, kwargs)
+    unscaled = func.overloadpacket in FUSED_ADAM and named.get("grad_scale") is None
     found = []
-    for i, arg in enumerate(func._schema.arguments):
+    for arg in func._schema.arguments:
         if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            found += op_tensors([value])
+            if unscaled and arg.name == "grads":
+                continue
+            found += op_tensors([named.get(arg.name)])
     return found
 
 
