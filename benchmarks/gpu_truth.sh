@@ -2,7 +2,8 @@
 # The GPU truth checks, run once on a machine with a CUDA GPU, from the repo root:
 #   bash benchmarks/gpu_truth.sh OUTDIR
 # 1. predicted reserved memory against the real allocator (each case in its own process);
-# 2. verify --device cuda on a sample model, pinned (deterministic algorithms, cuBLAS workspace).
+# 2. verify --device cuda on a sample model, pinned (deterministic algorithms, cuBLAS workspace);
+# 3. predicted step time against the measured step (each case in its own process).
 set -uo pipefail
 out=${1:-.}
 export PYTHONUNBUFFERED=1
@@ -15,3 +16,4 @@ for w in 1; do
     --json > "$out/verify_cuda.json" 2> "$out/verify_cuda.err"
   echo "verify --device cuda: exit $?"; tail -3 "$out/verify_cuda.err"
 done
+timeout 300 python3 -m benchmarks.bench_step_time_cuda --out "$out/step_time.json" 2>&1 | tee "$out/step_time.log"

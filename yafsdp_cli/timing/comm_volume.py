@@ -1,0 +1,189 @@
+"""The collectives of one step under each scheme, the bytes a rank sends, their ring time.
+
+Per scheme, in the order a rank issues them (``collectives``):
+
+- ``yafsdp`` (the flat layout, as ``engine.sharded`` runs it): forward, an
+  all-gather of every flat buffer, unit by unit (the root unit's first); backward,
+  units in reverse, an all-gather again of every buffer of a non-root unit (resharded
+  after forward; the root stays gathered) and a reduce-scatter of every trainable
+  buffer's gradient, in the buffer's dtype (the runtime reduces in the parameter
+  dtype); last, an all-reduce of each unconverted trainable parameter's gradient.
+  A collective's size is the buffer's padded bytes;
+- ``fsdp2`` (``fully_shard`` per unit and the root, as ``memory.fsdp2`` places it):
+  one all-gather per unit of its parameters padded to ``torch.chunk``'s largest
+  chunk times the world size, in the training dtype, in forward and again in
+  backward for every unit but the root (not resharded after forward); one
+  reduce-scatter per unit in the gradient dtype (``MemoryConfig.grad_dtype``,
+  else the training dtype); unconverted parameters as for ``yafsdp``;
+- ``ddp``: one all-reduce per unit's gradients, in the gradient dtype, in backward
+  (DDP's buckets are about a unit's size in a large model; their count only moves
+  the latency term).
+
+A ring collective over ``n`` ranks of a tensor of ``B`` bytes sends ``(n - 1)`` chunks
+of ``B / n`` from each rank: ``(n - 1) / n * B`` for an all-gather or reduce-scatter,
+twice that for an all-reduce (a reduce-scatter then an all-gather). Chunks are
+rounded up to whole bytes where ``n`` does not divide ``B`` (never for flat buffers,
+whose padded sizes ``n`` divides). Its time::
+
+    t = (n - 1) / n * B / bandwidth + (n - 1) * latency        (all-reduce: twice)
+
+with the intra-node link's bandwidth and latency while ``n`` fits on one node
+(``GpuSpec.gpus_per_node``), and the inter-node bandwidth per GPU and latency
+beyond (a ring that leaves the node runs at its slowest hop). Not modelled: NCCL's
+tree algorithms at large ``n``, SHARP, contention with other jobs, the copies into
+and out of the communication buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..engine import dtypes
+from ..engine.layout import Layout
+from ..engine.units import ROOT
+from ..errors import YafsdpError
+from ..memory.config import MemoryConfig
+from ..memory.fsdp2 import place
+from .gpu_specs import GpuSpec
+
+Scheme = Literal["yafsdp", "fsdp2", "ddp"]
+SCHEMES = ("yafsdp", "fsdp2", "ddp")
+Kind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """What links the GPUs beyond one GPU's own figures."""
+
+    inter_node_bytes_per_s: float = 50e9  # one 400 Gb/s NIC per GPU (InfiniBand NDR)
+    intra_latency_s: float = 5e-6  # one ring step over NVLink, NCCL's order of magnitude
+    inter_latency_s: float = 10e-6  # one ring step through a NIC and a switch
+
+    def __post_init__(self) -> None:
+        if self.inter_node_bytes_per_s <= 0:
+            raise YafsdpError(
+                f"inter-node bandwidth must be positive, got {self.inter_node_bytes_per_s}"
+            )
+        if self.intra_latency_s < 0 or self.inter_latency_s < 0:
+            raise YafsdpError("collective latencies must be 0 or more seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective a rank takes part in."""
+
+    kind: Kind
+    unit: str  # "" is the root unit
+    phase: str  # forward | backward
+    bytes: int  # the whole tensor: gathered, or reduced
+    sent: int  # what this rank sends in a ring of world_size
+
+
+def check_scheme(scheme: str) -> Scheme:
+    if scheme not in SCHEMES:
+        raise YafsdpError(f"scheme {scheme!r} is not one of {'|'.join(SCHEMES)}")
+    return scheme  # type: ignore[return-value]
+
+
+def ring_sent(kind: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring collective of ``nbytes`` over ``n`` ranks."""
+    chunk = -(-nbytes // n)
+    steps = (n - 1) * (2 if kind == "all_reduce" else 1)
+    return steps * chunk
+
+
+def ring_time(kind: str, nbytes: int, n: int, gpu: GpuSpec, cluster: Cluster) -> float:
+    """Seconds for one ring collective (see the module docstring)."""
+    if n == 1:
+        return 0.0
+    if n <= gpu.gpus_per_node:
+        bandwidth, latency = gpu.link_bytes_per_s, cluster.intra_latency_s
+    else:
+        bandwidth = min(gpu.link_bytes_per_s, cluster.inter_node_bytes_per_s)
+        latency = cluster.inter_latency_s
+    passes = 2 if kind == "all_reduce" else 1
+    return passes * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
+
+
+def unit_order(layout: Layout) -> list[str]:
+    """Units in forward order: the root first, then as their buffers appear."""
+    order = [ROOT]
+    for b in layout.buffers:
+        if b.unit not in order:
+            order.append(b.unit)
+    return order
+
+
+def collectives(
+    layout: Layout, scheme: str, cfg: MemoryConfig | None = None, placement: str = "dim0"
+) -> tuple[Collective, ...]:
+    """Every collective of one step for one rank of ``layout.world_size``, in issue
+    order; none at world size 1."""
+    cfg = cfg or MemoryConfig()
+    n = layout.world_size
+    if n == 1:
+        return ()
+    sizes = _sizes(layout, check_scheme(scheme), cfg, placement)
+    out: list[Collective] = []
+    order = unit_order(layout)
+
+    def add(kind, unit, phase, nbytes):
+        if nbytes:
+            out.append(Collective(kind, unit, phase, nbytes, ring_sent(kind, nbytes, n)))
+
+    if scheme != "ddp":
+        for unit in order:
+            for nbytes in sizes["gather"].get(unit, []):
+                add("all_gather", unit, "forward", nbytes)
+    for unit in reversed(order):
+        if scheme != "ddp" and unit != ROOT:
+            for nbytes in sizes["gather"].get(unit, []):
+                add("all_gather", unit, "backward", nbytes)
+        kind = "all_reduce" if scheme == "ddp" else "reduce_scatter"
+        for nbytes in sizes["reduce"].get(unit, []):
+            add(kind, unit, "backward", nbytes)
+    for nbytes in sizes["kept"]:
+        add("all_reduce", ROOT, "backward", nbytes)
+    return tuple(out)
+
+
+def _sizes(layout: Layout, scheme: Scheme, cfg: MemoryConfig, placement: str) -> dict:
+    """unit -> collective sizes for gathers and reductions; kept gradients' sizes."""
+    gather: dict[str, list[int]] = {}
+    reduce: dict[str, list[int]] = {}
+    if scheme == "yafsdp":
+        for b in layout.buffers:
+            gather.setdefault(b.unit, []).append(b.nbytes)
+            if b.requires_grad:
+                reduce.setdefault(b.unit, []).append(b.nbytes)
+    elif scheme == "fsdp2":
+        n = layout.world_size
+        g: dict[str, int] = {}
+        r: dict[str, int] = {}
+        for p in place(layout, cfg, placement):
+            g[p.unit] = g.get(p.unit, 0) + p.split.padded * n * dtypes.itemsize(p.dtype)
+            if p.trainable:
+                size = p.split.padded * n * cfg.grad_itemsize(p.dtype)
+                r[p.unit] = r.get(p.unit, 0) + size
+        gather = {u: [v] for u, v in g.items()}
+        reduce = {u: [v] for u, v in r.items()}
+    else:
+        for b in layout.buffers:
+            if b.requires_grad:
+                size = sum(e.numel for e in b.entries) * cfg.grad_itemsize(b.dtype)
+                reduce[b.unit] = [reduce.get(b.unit, [0])[0] + size]
+    kept = [
+        t.numel * cfg.grad_itemsize(t.dtype)
+        for t in layout.kept
+        if t.is_param and t.requires_grad and t.floating
+    ]
+    if scheme == "ddp" and kept:
+        reduce[ROOT] = [reduce.get(ROOT, [0])[0] + sum(kept)]
+        kept = []
+    return {"gather": gather, "reduce": reduce, "kept": kept}
+
+
+def sent_bytes(found) -> int:
+    """What one rank sends over a step's collectives."""
+    return sum(c.sent for c in found)

@@ -1,0 +1,165 @@
+"""GPUs' figures for the step-time model, and a user's own GPU from a JSON file.
+
+Every figure is the vendor's, from the datasheet named in ``source``; FLOP/s are
+dense (the datasheets' headline tensor figures are "with sparsity", twice these).
+``memory_bytes`` is what the driver reports as total (``nvidia-smi``'s MiB where it
+differs from the marketing figure: an "80GB" H100 has 81,559 MiB), else the
+vendor's figure in its own unit. ``link_bytes_per_s`` is one direction of one GPU's
+intra-node link (NVLink, Infinity Fabric, PCIe): half the bidirectional figure the
+datasheets print, because a ring collective sends one way while it receives the
+other. ``fp32`` is the non-tensor-core rate: what float32 matrix products run at
+with torch's defaults (TF32 off for ``matmul``) and what vector ops are bounded by.
+
+A profile of one's own GPU is a JSON object with the fields of
+``yafsdp_cli/schemas/gpu.schema.json``, in TFLOP/s and GB/s (10^12, 10^9)::
+
+    {"name": "my-gpu", "memory_bytes": 85899345920, "bf16_tflops": 900,
+     "fp8_tflops": 1800, "fp32_tflops": 60, "hbm_gbps": 3000, "link_gbps": 400,
+     "gpus_per_node": 8, "source": "measured"}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import YafsdpError
+
+MIB, GIB = 1 << 20, 1 << 30
+TERA, GIGA = 1e12, 1e9
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "gpu.schema.json"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int
+    bf16_flops: float  # dense bf16/fp16 tensor FLOP/s
+    fp8_flops: float  # dense fp8 tensor FLOP/s; 0 where the GPU has none
+    fp32_flops: float  # non-tensor float32 FLOP/s: float32 matrix and vector ops
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # intra-node, one direction, per GPU
+    gpus_per_node: int
+    source: str
+
+    def matrix_peak(self, dtype: str) -> float:
+        """The peak FLOP/s of a matrix product whose inputs are ``dtype``."""
+        if dtype in ("bfloat16", "float16"):
+            return self.bf16_flops
+        if dtype.startswith("float8") and self.fp8_flops:
+            return self.fp8_flops
+        return self.fp32_flops
+
+
+def _gpu(name, memory, bf16, fp8, fp32, hbm, link, per_node, source) -> GpuSpec:
+    """A row of the table in the datasheets' units: TFLOP/s and GB/s."""
+    return GpuSpec(
+        name,
+        memory,
+        bf16 * TERA,
+        fp8 * TERA,
+        fp32 * TERA,
+        hbm * GIGA,
+        link * GIGA,
+        per_node,
+        source,
+    )
+
+
+# name, memory, bf16, fp8, fp32 (TFLOP/s dense), HBM, link one way (GB/s), per node
+GPUS = {
+    g.name.lower(): g
+    for g in (
+        _gpu("A100-40GB", 40 * GIB, 312, 0, 19.5, 1555, 300, 8,
+             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB; NVLink 3, 600 GB/s)"),
+        _gpu("A100-80GB", 80 * GIB, 312, 0, 19.5, 2039, 300, 8,
+             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB; NVLink 3, 600 GB/s)"),
+        _gpu("H100-SXM", 81559 * MIB, 989.4, 1978.9, 66.9, 3350, 450, 8,
+             "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM; NVLink 4, 900 GB/s)"),
+        _gpu("H100-PCIe", 81559 * MIB, 756, 1513, 51, 2000, 64, 8,
+             "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe; PCIe Gen5, 128 GB/s)"),
+        _gpu("H200", 143771 * MIB, 989.4, 1978.9, 66.9, 4800, 450, 8,
+             "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; NVLink 4, 900 GB/s)"),
+        _gpu("B200", 183359 * MIB, 2250, 4500, 75, 8000, 900, 8,
+             "NVIDIA DGX B200 datasheet (per GPU, dense; NVLink 5, 1.8 TB/s)"),
+        _gpu("L40S", 46068 * MIB, 362.05, 733, 91.6, 864, 32, 8,
+             "NVIDIA L40S datasheet (48GB GDDR6 with ECC; PCIe Gen4 x16, 64 GB/s)"),
+        _gpu("MI300X", 192 * GIB, 1307.4, 2614.9, 163.4, 5300, 448, 8,
+             "AMD Instinct MI300X datasheet (7 Infinity Fabric links, 64 GB/s each way)"),
+    )
+}  # fmt: skip
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The GPU called ``name`` (any case)."""
+    found = GPUS.get(name.lower())
+    if found is None:
+        known = ", ".join(g.name for g in GPUS.values())
+        raise YafsdpError(f"unknown GPU {name!r}; known: {known}; or give a JSON profile file")
+    return found
+
+
+FIELDS = {
+    "name": str,
+    "memory_bytes": int,
+    "bf16_tflops": (int, float),
+    "fp8_tflops": (int, float),
+    "fp32_tflops": (int, float),
+    "hbm_gbps": (int, float),
+    "link_gbps": (int, float),
+    "gpus_per_node": int,
+}
+OPTIONAL = {"fp8_tflops": 0, "source": "user profile"}
+
+
+def load_gpu(path: str | Path) -> GpuSpec:
+    """A GPU profile from a JSON file (``schemas/gpu.schema.json``); every problem is
+    one line naming the file and the field."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise YafsdpError(f"{path}: cannot read the GPU profile ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise YafsdpError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from exc
+    return gpu_from_dict(doc, where=str(path))
+
+
+def gpu_from_dict(doc, where: str = "GPU profile") -> GpuSpec:
+    if not isinstance(doc, dict):
+        raise YafsdpError(f"{where}: a GPU profile is a JSON object, got {type(doc).__name__}")
+    extra = sorted(set(doc) - set(FIELDS) - set(OPTIONAL))
+    if extra:
+        raise YafsdpError(f"{where}: unknown field {extra[0]!r}; fields: {', '.join(FIELDS)}")
+    doc = {**OPTIONAL, **doc}
+    for key, kind in FIELDS.items():
+        _check_field(doc, key, kind, where)
+    if not isinstance(doc["source"], str):
+        raise YafsdpError(f"{where}: 'source' must be a string")
+    return _gpu(
+        doc["name"], doc["memory_bytes"], doc["bf16_tflops"], doc["fp8_tflops"],
+        doc["fp32_tflops"], doc["hbm_gbps"], doc["link_gbps"], doc["gpus_per_node"],
+        doc["source"],
+    )  # fmt: skip
+
+
+def _check_field(doc: dict, key: str, kind, where: str) -> None:
+    if key not in doc:
+        raise YafsdpError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        want = "a string" if kind is str else "an integer" if kind is int else "a number"
+        raise YafsdpError(f"{where}: {key!r} must be {want}, got {value!r}")
+    if kind is str:
+        if not value.strip():
+            raise YafsdpError(f"{where}: {key!r} must not be empty")
+    elif value < 0 or (value == 0 and key not in ("fp8_tflops",)):
+        raise YafsdpError(f"{where}: {key!r} must be positive, got {value!r}")
+
+
+def resolve_gpu(name_or_path: str) -> GpuSpec:
+    """A known GPU's name, or the path of a JSON profile (ends in ``.json``)."""
+    if name_or_path.lower().endswith(".json"):
+        return load_gpu(name_or_path)
+    return gpu_spec(name_or_path)

@@ -1,0 +1,187 @@
+"""The costs of one training step, per phase, counted on the fake step ``profile --fake`` runs.
+
+``count_step`` builds the model as ``profile --fake`` does (fake weights in the
+training dtype, the real batch, CUDA's attention kernels by default: ``target``
+``cuda``), takes one uncounted warm-up optimizer step so the optimizer's state
+exists, then counts one step with ``op_costs.OpCounter``: forward and loss, backward
+(the forward that checkpointed units recompute is counted there, marked
+``recompute``), and the optimizer step (the float32 masters' hand-over and copy-back
+included). The model is the original one on one GPU: sharding moves bytes between
+ranks (``comm_volume``), it does not change a rank's kernels, except the optimizer
+step, which each rank takes on its own share (``step_estimate``).
+
+>>> from yafsdp_cli.sources import load_source
+>>> from yafsdp_cli.profiling import ProfileOptions
+>>> costs = count_step(load_source(None, model="sample_models.models:llama"),
+...                    ProfileOptions(fake=True, target="cuda", batch=2, seq_len=64))
+>>> costs.phase("backward").model_flops == 2 * costs.phase("forward").model_flops
+True
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..engine.idioms import apply_checkpointing
+from ..engine.module_spec import spec_from_module
+from ..engine.plan import plan
+from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
+from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
+from ..profiling.kernels import CudaAttention
+from ..profiling.precision import Masters, cast_params
+from ..profiling.profile_options import ProfileOptions
+from .op_costs import OpCost, OpCounter
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseCosts:
+    """One phase's totals over its kernels."""
+
+    phase: str
+    matrix_flops: dict[str, int]  # dtype -> FLOPs the kernels compute
+    model_flops: int  # useful matrix FLOPs (no recompute, full attention)
+    recompute_flops: int  # matrix FLOPs of checkpointing's recomputed forward
+    vector_flops: int
+    bytes: int
+    kernels: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """A step's costs: per phase, and every kernel for the roofline."""
+
+    phases: tuple[PhaseCosts, ...]
+    ops: tuple[OpCost, ...]
+    tokens: int  # batch x sequence length
+    params: int  # trainable parameter elements (tied ones once)
+    optimizer_impl: str
+    attention: dict[str, int]  # CUDA attention kernels by kind (flash, efficient, math)
+    checkpointing: str
+
+    def phase(self, name: str) -> PhaseCosts:
+        return next(p for p in self.phases if p.phase == name)
+
+    @property
+    def model_flops(self) -> int:
+        return sum(p.model_flops for p in self.phases)
+
+
+def count_step(loaded, opts: ProfileOptions | None = None) -> StepCosts:
+    """The step's costs for ``loaded`` (``sources.load_source``'s result, or a module
+    on the meta device or with real weights, which are never read) under ``opts``
+    (``fake`` is implied; ``target`` None means ``cuda``: the kernels a GPU runs)."""
+    opts = opts or ProfileOptions(fake=True, target="cuda")
+    module, spec = _source_module(loaded)
+    fake_mode = make_fake_mode()
+    with fake_errors(True):
+        with fake_mode:
+            model = fake_copy(module, spec, "cpu")
+            cast_params(model, opts.param_dtype)
+            model.train()
+            units = plan(spec_from_module(model), units=opts.units).units
+            apply_checkpointing(model, opts.checkpointing, units)
+        batch = make_batch(
+            model,
+            batch=opts.batch,
+            seq_len=opts.seq_len,
+            seed=opts.seed,
+            input_shape=opts.input_shape,
+        )
+        cuda = (opts.target or "cuda") == "cuda"
+        attention = CudaAttention() if cuda else None
+        counter = OpCounter()
+        impl = "foreach" if opts.optimizer_impl == "auto" and cuda else opts.optimizer_impl
+        with entered(fake_mode, FakeStep(), attention, counter):
+            _counted_step(model, batch, opts, impl, counter)
+    return _totals(counter.costs, opts, impl, model, attention)
+
+
+def _source_module(loaded) -> tuple[nn.Module, object]:
+    if isinstance(loaded, nn.Module):
+        return loaded, None
+    if loaded.module is None:
+        loaded.build_module()  # raises: counting needs an architecture
+    return loaded.module, loaded.spec
+
+
+def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCounter) -> None:
+    params = list(model.parameters())
+    masters = Masters(model, params, opts.grad_dtype) if opts.param_dtype else None
+    stepped = masters.stepped if masters else params
+    opt = make_optimizer(opts.optimizer, stepped, impl)
+    counter.phase = None  # the warm-up step is not counted
+    _warm_up(opt, stepped)
+    counter.phase = "forward"
+    torch.manual_seed(opts.seed)
+    loss = step_loss(run_forward(model, batch), opts.seed)
+    counter.phase = "backward"
+    _backward(loss)
+    del loss
+    counter.phase = "optimizer"
+    if masters is not None:
+        masters.after_backward()
+        masters.before_step()
+    if opt is not None:
+        opt.step()
+    if masters is not None:
+        masters.after_step()
+    counter.phase = None
+
+
+def _warm_up(opt, params) -> None:
+    if opt is None:
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with ``CudaAttention`` still on for recomputed forwards:
+    a ``TorchFunctionMode`` is off for the length of a ``Tensor.backward`` call, so
+    the engine is called directly (as ``profiling.profiler`` does, for the same reason)."""
+    from torch.autograd.graph import _engine_run_backward
+
+    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    _engine_run_backward(
+        (loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _totals(costs, opts, impl, model, attention) -> StepCosts:
+    ops = tuple(c for c in costs if c.phase is not None)
+    trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    return StepCosts(
+        phases=tuple(phase_totals(ops, phase) for phase in PHASES),
+        ops=ops,
+        tokens=opts.batch * opts.seq_len,
+        params=sum(trainable.values()),
+        optimizer_impl=impl,
+        attention=dict(attention.used) if attention else {},
+        checkpointing=opts.checkpointing,
+    )
+
+
+def phase_totals(ops, phase: str) -> PhaseCosts:
+    mine = [c for c in ops if c.phase == phase]
+    by_dtype: Counter[str] = Counter()
+    for c in mine:
+        if c.matrix_flops:
+            by_dtype[c.dtype] += c.matrix_flops
+    return PhaseCosts(
+        phase=phase,
+        matrix_flops=dict(by_dtype),
+        model_flops=sum(c.model_flops for c in mine),
+        recompute_flops=sum(c.matrix_flops for c in mine if c.recompute),
+        vector_flops=sum(c.vector_flops for c in mine),
+        bytes=sum(c.bytes for c in mine),
+        kernels=len(mine),
+    )

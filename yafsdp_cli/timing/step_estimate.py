@@ -1,0 +1,239 @@
+"""One configuration's step time, and the best of a list of configurations.
+
+``estimate_step`` combines a step's kernel costs (``step_costs``), the roofline
+(``roofline``) and the collectives of a scheme (``comm_volume``) on one GPU model:
+
+- compute: the forward's and backward's kernels on the roofline; every rank runs
+  its own micro-batch, so this does not depend on the world size;
+- communication, with one unit prefetched: a unit's collectives overlap the
+  compute of its neighbour. Each phase's compute is split over the units in
+  proportion to their parameter elements (the root unit takes the unconverted
+  ones). In forward (units ``u_0 .. u_m`` in order)::
+
+      exposed_fwd = G_0 + sum_k max(0, G_k - C_{k-1})
+
+  (``G_k``: unit ``k``'s all-gather time, ``C_k``: its compute), and in backward
+  (units in reverse, ``v_0 .. v_m``)::
+
+      exposed_bwd = G_0 + sum_k max(0, R_{k-1} + G_{k+1} - C_k) + R_m
+
+  (``R_k``: unit ``k``'s reduce-scatter, or DDP's all-reduce, issued when its
+  backward ends; the next unit's all-gather is the one prefetched); a stall ends at
+  the next unit, whose parameters it waits for;
+- the optimizer step: its kernels' time from the fake step's bytes, each kernel's
+  share above the floor scaled by the part of the parameters this rank steps (its
+  shards: about ``1 / world_size``; all of them under DDP);
+- ``step_s = forward + backward + exposed communication + optimizer``.
+
+``tokens_per_s`` is per GPU; MFU is the model FLOPs (``6 N T``-style useful work:
+forward and backward products, attention's full square, no recompute) over the
+peak of the dtype most of the step's products run in, times the step time (each
+GPU's own micro-batch against its own peak, which is the same ratio as over all
+GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.layout import Layout
+from ..engine.units import ROOT
+from ..errors import YafsdpError
+from ..memory.config import MemoryConfig
+from .comm_volume import Cluster, check_scheme, collectives, ring_time, sent_bytes, unit_order
+from .gpu_specs import GpuSpec
+from .roofline import Efficiency, phase_time
+from .step_costs import StepCosts
+
+
+@dataclass(frozen=True, slots=True)
+class StepEstimate:
+    """One configuration's step on one GPU model; seconds, bytes, FLOPs."""
+
+    gpu: str
+    scheme: str
+    world_size: int
+    tokens: int  # per GPU per step
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float  # every collective, back to back
+    exposed_comm_s: float  # what compute does not hide
+    step_s: float
+    tokens_per_s: float  # per GPU
+    mfu: float
+    sent_bytes: int  # per rank per step
+    model_flops: int  # per GPU per step
+
+    @property
+    def exposed_share(self) -> float:
+        return self.exposed_comm_s / self.step_s if self.step_s else 0.0
+
+
+def estimate_step(
+    costs: StepCosts,
+    layout: Layout,
+    gpu: GpuSpec,
+    *,
+    scheme: str = "yafsdp",
+    cluster: Cluster | None = None,
+    eff: Efficiency | None = None,
+    cfg: MemoryConfig | None = None,
+    placement: str = "dim0",
+) -> StepEstimate:
+    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size."""
+    cluster, eff = cluster or Cluster(), eff or Efficiency()
+    n = layout.world_size
+    fwd = phase_time(costs.ops, "forward", gpu, eff)
+    bwd = phase_time(costs.ops, "backward", gpu, eff)
+    opt = phase_time(costs.ops, "optimizer", gpu, eff)
+    floor = opt.kernels * eff.kernel_floor_s
+    optimizer_s = (opt.seconds - floor) * _stepped_share(
+        layout, check_scheme(scheme), costs
+    ) + floor
+    found = collectives(layout, scheme, cfg, placement)
+    times = [ring_time(c.kind, c.bytes, n, gpu, cluster) for c in found]
+    exposed = _exposed(layout, found, times, fwd.seconds, bwd.seconds)
+    step = fwd.seconds + bwd.seconds + exposed + optimizer_s
+    model = costs.model_flops
+    return StepEstimate(
+        gpu=gpu.name,
+        scheme=scheme,
+        world_size=n,
+        tokens=costs.tokens,
+        forward_s=fwd.seconds,
+        backward_s=bwd.seconds,
+        optimizer_s=optimizer_s,
+        comm_s=sum(times),
+        exposed_comm_s=exposed,
+        step_s=step,
+        tokens_per_s=costs.tokens / step,
+        mfu=model / (gpu.matrix_peak(_main_dtype(costs)) * step),
+        sent_bytes=sent_bytes(found),
+        model_flops=model,
+    )
+
+
+def _main_dtype(costs: StepCosts) -> str:
+    by_dtype: dict[str, int] = {}
+    for p in costs.phases:
+        for dtype, flops in p.matrix_flops.items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + flops
+    return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
+
+
+def _stepped_share(layout: Layout, scheme: str, costs: StepCosts) -> float:
+    """The part of the parameters one rank's optimizer steps."""
+    if scheme == "ddp" or layout.world_size == 1 or not costs.params:
+        return 1.0
+    shards = sum(b.shard_numel for b in layout.buffers if b.requires_grad)
+    kept = sum(t.numel for t in layout.kept if t.is_param and t.requires_grad and t.floating)
+    return min(1.0, (shards + kept) / costs.params)
+
+
+def unit_shares(layout: Layout) -> dict[str, float]:
+    """Each unit's part of the parameter elements (the root's includes the kept ones)."""
+    elems = dict.fromkeys(unit_order(layout), 0)
+    for b in layout.buffers:
+        elems[b.unit] += b.numel
+    elems[ROOT] += sum(t.numel for t in layout.kept if t.is_param)
+    total = sum(elems.values())
+    if not total:
+        return {u: 1.0 / len(elems) for u in elems}
+    return {u: e / total for u, e in elems.items()}
+
+
+def _exposed(layout, found, times, forward_s: float, backward_s: float) -> float:
+    if not found:
+        return 0.0
+    order = unit_order(layout)
+    shares = unit_shares(layout)
+    gather_f, gather_b, reduce_b = ({u: 0.0 for u in order} for _ in range(3))
+    for c, t in zip(found, times):
+        if c.kind == "all_gather":
+            (gather_f if c.phase == "forward" else gather_b)[c.unit] += t
+        else:
+            reduce_b[c.unit] += t
+    fwd = exposed_time(
+        [forward_s * shares[u] for u in order], [gather_f[u] for u in order], [0.0] * len(order)
+    )
+    back = order[::-1]
+    bwd = exposed_time(
+        [backward_s * shares[u] for u in back],
+        [gather_b[u] for u in back],
+        [reduce_b[u] for u in back],
+    )
+    return fwd + bwd
+
+
+def exposed_time(compute: list[float], before: list[float], after: list[float]) -> float:
+    """Communication that compute does not hide, with one unit prefetched: unit ``k``
+    needs ``before[k]`` done before it computes (issued during unit ``k - 1``) and
+    issues ``after[k]`` when it ends (hidden behind unit ``k + 1``). See the module
+    docstring for the formula."""
+    m = len(compute)
+    if m == 0:
+        return 0.0
+    exposed = before[0] + after[-1]
+    for k in range(m):
+        during = (after[k - 1] if k else 0.0) + (before[k + 1] if k + 1 < m else 0.0)
+        exposed += max(0.0, during - compute[k])
+    return exposed
+
+
+# -- choosing a configuration ------------------------------------------------------
+
+OBJECTIVES = ("throughput", "gpu-hours", "fewest-gpus")
+DEFAULT_OBJECTIVE = "throughput"
+
+
+@dataclass(frozen=True, slots=True)
+class TimedCell:
+    """A candidate configuration: a plan's cell with its step estimate."""
+
+    world_size: int
+    micro_batch: int
+    checkpointing: str
+    fits: bool
+    estimate: StepEstimate
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    cell: TimedCell
+    objective: str
+    gpu_hours: float | None  # for ``tokens`` tokens, where given
+    wall_hours: float | None
+
+
+def best_cell(
+    cells, objective: str = DEFAULT_OBJECTIVE, tokens: int | None = None
+) -> Choice | None:
+    """The best of the cells that fit under ``objective``; ``None`` if none fits.
+
+    - ``throughput`` (the default: it needs no token count, and a GPU's speed is
+      what both the time and the cost of training follow): the most tokens/s per
+      GPU; ties go to fewer GPUs, then to no checkpointing;
+    - ``gpu-hours``: the fewest GPU-hours to train on ``tokens`` tokens
+      (``tokens / tokens_per_s_per_gpu / 3600``: the same order as throughput, with
+      the hours); ties go to the shorter wall time;
+    - ``fewest-gpus``: the smallest world size that fits; ties go to throughput.
+    """
+    if objective not in OBJECTIVES:
+        raise YafsdpError(f"objective {objective!r} is not one of {'|'.join(OBJECTIVES)}")
+    if objective == "gpu-hours" and not (tokens and tokens > 0):
+        raise YafsdpError("objective gpu-hours needs the number of tokens to train on")
+    fitting = [c for c in cells if c.fits]
+    if not fitting:
+        return None
+    keys = {
+        "throughput": lambda c: (-c.estimate.tokens_per_s, c.world_size, c.checkpointing != "none"),
+        "gpu-hours": lambda c: (-c.estimate.tokens_per_s, -c.world_size),
+        "fewest-gpus": lambda c: (c.world_size, -c.estimate.tokens_per_s),
+    }
+    best = min(fitting, key=keys[objective])
+    gpu_h = wall_h = None
+    if tokens:
+        gpu_h = tokens / best.estimate.tokens_per_s / 3600
+        wall_h = gpu_h / best.world_size
+    return Choice(best, objective, gpu_h, wall_h)
