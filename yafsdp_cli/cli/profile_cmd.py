@@ -107,6 +107,14 @@ def profile_command(
         int,
         typer.Option("--depth", min=1, help="Per-module rows: names with at most DEPTH parts."),
     ] = 3,
+    alloc_conf: Annotated[
+        str | None,
+        typer.Option(
+            "--alloc-conf",
+            help="With --target cuda: the caching allocator's settings for the reserved "
+            "replay, PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
     html: HtmlOpt = None,
@@ -143,6 +151,7 @@ def profile_command(
             param_dtype=param_dtype,
             grad_dtype=grad_dtype,
             checkpointing=checkpointing,
+            alloc_conf=alloc_conf,
         )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar, interrupt_ends_at_once():
             report = profile_source(

@@ -70,10 +70,21 @@ class FlatBuffer:
         p = self.params[index]
         if not p.requires_grad:
             return []
-        return [
-            p.register_hook(self._before_backward),
-            p.register_post_accumulate_grad_hook(lambda _p: self._landed(index)),
-        ]
+        # The hooks hold this buffer weakly: a parameter's hooks live in autograd's C++
+        # side, where the garbage collector cannot see them, so a strong reference back
+        # to the buffer (which holds the parameter) would keep both alive forever. The
+        # module holds its FlatModel, which holds this buffer, for as long as it trains.
+        ref = weakref.ref(self)
+
+        def before_backward(grad: torch.Tensor) -> None:
+            if (buffer := ref()) is not None:
+                buffer._before_backward(grad)
+
+        def landed(_p: torch.Tensor) -> None:
+            if (buffer := ref()) is not None:
+                buffer._landed(index)
+
+        return [p.register_hook(before_backward), p.register_post_accumulate_grad_hook(landed)]
 
     def _before_backward(self, _grad: torch.Tensor) -> None:
         if not self._checked:

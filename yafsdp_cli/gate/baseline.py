@@ -87,6 +87,10 @@ class StepFigures:
     peak_phase: str
     phase_peaks: dict[str, int]  # the highest total in each phase
     modules: tuple[ModuleSaved, ...]  # every pattern, most saved first
+    # CUDA's caching allocator's predicted reserved peak for the step's trace (the
+    # default settings, or PYTORCH_CUDA_ALLOC_CONF); None in baselines written before
+    # it was recorded, which then skip it
+    reserved_peak: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +216,7 @@ def _parse_step(doc: dict) -> StepFigures:
         modules=tuple(
             ModuleSaved(str(m["pattern"]), int(m["count"]), int(m["saved"])) for m in doc["modules"]
         ),
+        reserved_peak=None if doc.get("reserved_peak") is None else int(doc["reserved_peak"]),
     )
 
 

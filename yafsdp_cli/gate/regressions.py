@@ -6,7 +6,9 @@ Figures compared, all "more is worse":
   baseline, the largest unit (what is gathered at once) and the parameter count.
   Padding is not a figure of its own: it shows in the totals, and a few hundred
   bytes of it must not fail a build. Default tolerance ``MEMORY_TOLERANCE``;
-- the fake training step (``gate.step_figures``): its peak, each phase's peak, the bytes
+- the fake training step (``gate.step_figures``): its peak, the reserved peak CUDA's
+  caching allocator would take for it (``memory.caching_allocator``; not compared
+  against a baseline that lacks it), each phase's peak, the bytes
   of each category at the peak, and the activations the modules saved for backward
   (alive when backward began: what an attention switch or dropped checkpointing
   changes even where the peak moves to another moment and its activations shrink).
@@ -55,6 +57,7 @@ STEP_CATEGORY_NAMES = {
     "buffers": "buffers at peak",
 }
 SAVED_NAME = "activations saved for backward"
+RESERVED_NAME = "reserved peak (CUDA caching allocator)"
 PHASE_NAMES = {
     "forward": "forward peak",
     "backward": "backward peak",
@@ -159,6 +162,9 @@ def compare_step(old: StepFigures, new: StepFigures, tolerance: float) -> list[M
         if phase in old.phase_peaks or phase in new.phase_peaks:
             a, b = old.phase_peaks.get(phase, 0), new.phase_peaks.get(phase, 0)
             out.append(metric(name, "bytes", a, b, tolerance, "step"))
+    if old.reserved_peak is not None and new.reserved_peak is not None:
+        a, b = old.reserved_peak, new.reserved_peak
+        out.append(metric(RESERVED_NAME, "bytes", a, b, tolerance, "step"))
     return out
 
 

@@ -13,11 +13,13 @@ modules whose names differ only in their indices (``model.layers.*.self_attn``).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from ..memory import reserved_of
 from ..profiling import ProfileOptions, profile_model
 from .baseline import CATEGORIES, ModuleSaved, StepFigures, StepInputs
 
@@ -57,8 +59,10 @@ def measure_step(loaded, inputs: StepInputs, inspect_inputs: Mapping[str, Any]) 
         # transformers deprecates the checkpointing call it still honours; CI logs
         # should carry the verdict, not that.
         warnings.simplefilter("ignore", FutureWarning)
-        report = profile_model(loaded, opts)
+        traces: dict = {}
+        report = profile_model(loaded, opts, traces=traces)
     step = report.converted_step
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     return StepFigures(
         inputs=inputs,
         batch=report.inputs,
@@ -67,6 +71,7 @@ def measure_step(loaded, inputs: StepInputs, inspect_inputs: Mapping[str, Any]) 
         peak_phase=step.peak_phase,
         phase_peaks=dict(step.phase_peaks),
         modules=saved_by_pattern((m.name, m.saved) for m in step.modules),
+        reserved_peak=reserved_of(traces["converted"], conf).reserved_peak,
     )
 
 

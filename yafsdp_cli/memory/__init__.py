@@ -5,7 +5,9 @@ buffers per rank for DDP, ZeRO-2/3 and the flat layout (``estimate``), and FSDP2
 per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
 a ``MemoryConfig`` (``config``) with no torch; and what PyTorch's CUDA caching
 allocator reserves for a step's allocation trace (``caching_allocator``, its
-settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``). It may
+settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``), and what a
+GPU holds beside it (``outside_allocator``: the CUDA context, cuBLAS workspaces,
+NCCL buffers). It may
 import ``engine``, ``errors`` and ``fileio``; inspect, verify, profiling and the
 gate import it.
 """
@@ -15,6 +17,7 @@ from .caching_allocator import AllocTrace, ReservedEstimate, TraceEvent, first_f
 from .config import MemoryBreakdown, MemoryConfig
 from .estimate import MemoryReport, assumptions, estimate_memory
 from .fsdp2 import Fsdp2Memory, RankGroup, UnevenSplit, persistent_by_rank, rank_groups
+from .outside_allocator import OutsideAllocator, OutsidePart, outside_memory
 
 __all__ = [
     "AllocTrace",
@@ -22,6 +25,9 @@ __all__ = [
     "ReservedEstimate",
     "TraceEvent",
     "first_fit",
+    "OutsideAllocator",
+    "OutsidePart",
+    "outside_memory",
     "parse_alloc_conf",
     "reserved_of",
     "Fsdp2Memory",

@@ -4,8 +4,10 @@ Owns what profile is asked (``profile_options``) and what it answers
 (``profile_report``), the two steps it takes (``profiler``), the storage tracker
 (``tracker``, with module names from ``modules``), the fake step and the kernels it
 substitutes (``fake``, ``kernels``), mixed precision (``precision``) and the check of
-sequence lengths (``positions``). It may import ``sources``, ``engine`` and
-``errors``; ``planning``, ``gate``, ``report`` and ``cli`` import it.
+sequence lengths (``positions``), and what a GPU holds for a step under
+``--target cuda`` (``gpu_holding``: the caching allocator's replay and the memory
+beside it). It may import ``sources``, ``memory``, ``engine`` and ``errors``;
+``planning``, ``gate``, ``report`` and ``cli`` import it.
 
 >>> from yafsdp_cli.profiling import ProfileOptions, profile_source
 >>> report = profile_source(None, model="sample_models.models:gpt",
@@ -17,11 +19,19 @@ True
 from __future__ import annotations
 
 from .profile_options import ProfileOptions
-from .profile_report import SCHEMA, CudaMemory, ModuleShare, ProfileReport, StepProfile
+from .profile_report import (
+    SCHEMA,
+    CudaMemory,
+    ModuleShare,
+    ProfileReport,
+    ReservedPeak,
+    StepProfile,
+)
 from .profiler import profile_model, profile_source
 from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
 
 __all__ = [
+    "ReservedPeak",
     "CATEGORIES",
     "SCHEMA",
     "Breakdown",

@@ -72,6 +72,35 @@ def tracking_modules(tracker, names: dict[int, str]):
     mt.register_user_hooks(
         hook(False, True), hook(False, False), hook(True, True), hook(True, False)
     )
-    with mt:
+    with removing_grad_hooks(), mt:
         yield
     mt.clear_user_hooks()
+
+
+@contextlib.contextmanager
+def removing_grad_hooks():
+    """Remove, once the step is over, the multi-grad hooks ``ModTracker`` puts on each
+    module's inputs and outputs.
+
+    Each such hook keeps the graph nodes it watches in its closure and lives on those
+    nodes in autograd's C++ side, where the garbage collector cannot see it: a cycle
+    that keeps the step's graph, and through it the model's parameters, alive after
+    the profile returns (``tests/test_profile_reserved.py`` counts what outlives a
+    call). ``ModTracker`` keeps no handles, so its call is wrapped to keep them."""
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+    handles = []
+
+    def register(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+        for handle in handles:
+            handle.remove()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..engine.idioms import check_checkpointing
 from ..engine.train_step import check_optimizer
 from ..errors import YafsdpError
+from ..memory.alloc_conf import parse_alloc_conf
 from .precision import check_training_dtypes
 
 DEVICES = ("cpu", "cuda")
@@ -35,6 +36,7 @@ class ProfileOptions:
     param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
     grad_dtype: str | None = None  # None: the parameter's dtype
     round_bytes: int | None = None  # None: 512 for CUDA's kernels (the caching allocator), else 1
+    alloc_conf: str | None = None  # the replay's allocator settings; None: PYTORCH_CUDA_ALLOC_CONF
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer, self.optimizer_impl)
@@ -50,6 +52,8 @@ class ProfileOptions:
             raise YafsdpError(f"--target {self.target!r} is not cpu or cuda")
         check_checkpointing(self.checkpointing)
         check_training_dtypes(self.param_dtype, self.grad_dtype)
+        if self.alloc_conf is not None:
+            parse_alloc_conf(self.alloc_conf)  # a bad setting fails before the step runs
         if self.round_bytes is not None and self.round_bytes < 1:
             raise YafsdpError(f"--round-bytes must be at least 1, got {self.round_bytes}")
 

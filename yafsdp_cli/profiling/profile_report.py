@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory.outside_allocator import OutsideAllocator
 from .tracker import Breakdown, ModuleMemory, PhaseSeries
 
 SCHEMA = "yafsdp.profile/1"
@@ -15,6 +16,20 @@ class CudaMemory:
 
     allocated_peak: int
     reserved_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedPeak:
+    """What CUDA's caching allocator reserves for the step (``--target cuda``): the
+    step's allocations and frees replayed through ``memory.caching_allocator``, and
+    what a GPU must hold with the memory outside it (``ProfileReport.outside``)."""
+
+    alloc_conf: str  # the replay's settings, PYTORCH_CUDA_ALLOC_CONF syntax ("default")
+    reserved_peak: int  # predicted torch.cuda.max_memory_reserved over the step
+    allocated_at_peak: int  # allocated blocks when reserved peaked
+    fragmentation: int  # reserved_peak - allocated_at_peak: cached, unused, at the peak
+    outside_bytes: int  # the CUDA context, cuBLAS workspaces, NCCL buffers
+    gpu_bytes: int  # reserved_peak + outside_bytes: what the GPU must hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,7 @@ class StepProfile:
     ops: int
     wall_s: float
     series: tuple[PhaseSeries, ...] = ()  # bytes alive through each phase, for charts
+    reserved: ReservedPeak | None = None  # CUDA's caching allocator's figures (target cuda)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +78,7 @@ class ProfileReport:
     converted_step: StepProfile
     kernels: dict[str, int]  # substituted CUDA attention kernels, by kind (--target cuda)
     notes: tuple[str, ...] = ()
+    outside: OutsideAllocator | None = None  # GPU memory beside the allocator (target cuda)
 
     @property
     def saving_bytes(self) -> int:

@@ -13,6 +13,7 @@ each unit's buffers are gathered while it runs.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -33,6 +34,7 @@ from ..engine.train_step import (
 )
 from ..errors import YafsdpError
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
+from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
 from .modules import module_names, peak_shares, tracking_modules
 from .positions import index_errors
@@ -133,6 +135,7 @@ def _convert(module, layout, opts: ProfileOptions):
 
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
+    holding = gpu_holding(opts)
     progress(STAGES[0], 0, len(STAGES))
     with entered(fake_mode):
         module, layout, ckpt_note = _prepared(loaded, opts, fake_mode)
@@ -141,11 +144,13 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
     with entered(*modes), index_errors(module, opts):
         progress(STAGES[1], 1, len(STAGES))
         params = list(module.parameters())
-        original = _profile_step("original", module, params, batch, opts, None, traces)
+        original = _profile_step("original", module, params, batch, opts, None, traces, holding)
         progress(STAGES[2], 2, len(STAGES))
         params, sharded = _convert(module, layout, opts)
         progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step("converted", module, params, batch, opts, sharded, traces)
+        converted = _profile_step(
+            "converted", module, params, batch, opts, sharded, traces, holding
+        )
     progress("done", len(STAGES), len(STAGES))
     kernels = dict(attention.used) if attention else {}
     return ProfileReport(
@@ -165,7 +170,8 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         original=original,
         converted_step=converted,
         kernels=kernels,
-        notes=_notes(opts, ckpt_note, kernels),
+        notes=_notes(opts, ckpt_note, kernels, holding),
+        outside=holding.outside if holding else None,
     )
 
 
@@ -222,7 +228,9 @@ def _warm_up(opt, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _profile_step(variant, module, params, batch, opts, sharded=None, traces=None) -> StepProfile:
+def _profile_step(
+    variant, module, params, batch, opts, sharded=None, traces=None, holding=None
+) -> StepProfile:
     masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.optimizer, stepped, _optimizer_impl(opts))
@@ -241,8 +249,9 @@ def _profile_step(variant, module, params, batch, opts, sharded=None, traces=Non
         _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
     wall = time.perf_counter() - start
     timeline = tracker.replay(rows)
+    trace = tracker.alloc_trace() if traces is not None or holding is not None else None
     if traces is not None:
-        traces[variant] = tracker.alloc_trace()
+        traces[variant] = trace
     return StepProfile(
         variant=variant,
         peak=timeline.peak,
@@ -255,6 +264,7 @@ def _profile_step(variant, module, params, batch, opts, sharded=None, traces=Non
         ops=timeline.ops,
         wall_s=wall,
         series=timeline.series,
+        reserved=reserved_peak(trace, holding) if holding is not None else None,
     )
 
 
@@ -313,23 +323,34 @@ def _backward(loss: torch.Tensor) -> None:
     )
 
 
+def _on_cuda(device: str) -> bool:
+    return device == "cuda" and torch.cuda.is_available()
+
+
 def _cuda_reset(device: str):
-    # Not testable on a machine without a GPU; guarded so it never runs there.
-    if device != "cuda" or not torch.cuda.is_available():
+    """Start the step's CUDA figures from a clean allocator: what the previous step, the
+    conversion or the warm-up left cached goes back to the driver, and the peaks
+    restart, so each step's reserved peak is its own (as the replay's is). Only on a
+    GPU; ``tests/test_profile_reserved.py`` checks the order with the calls stubbed."""
+    if not _on_cuda(device):
         return None
+    gc.collect()  # the previous step's graph and optimizer may sit in a cycle
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return True
 
 
 def _cuda_peaks(device: str, started) -> CudaMemory | None:
-    if started is None:
+    if started is None or not _on_cuda(device):
         return None
     torch.cuda.synchronize()
     return CudaMemory(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
 
 
-def _notes(opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int]) -> tuple[str, ...]:
+def _notes(
+    opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int], holding: GpuHolding | None
+) -> tuple[str, ...]:
     notes = [
         "one warm-up step on zero gradients first, so optimizer state exists as in every "
         "later step; bytes are the storages the step's tensors use, not the allocator's cache",
@@ -353,6 +374,12 @@ def _notes(opts: ProfileOptions, ckpt_note: str, kernels: dict[str, int]) -> tup
             f"parameters in {opts.param_dtype}; 16-bit ones get float32 masters that the "
             "optimizer steps on (its states float32), counted as optimizer; gradients in "
             f"{opts.grad_dtype or opts.param_dtype}"
+        )
+    if holding is not None:
+        notes.append(
+            f"reserved: the step's allocations replayed through CUDA's caching allocator "
+            f"({holding.conf}); the GPU must hold that and the memory outside it: "
+            + "; ".join(f"{p.name} ({p.source})" for p in holding.outside.parts)
         )
     if ckpt_note:
         notes.append(f"activation checkpointing: {ckpt_note}")

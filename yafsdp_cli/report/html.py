@@ -106,7 +106,7 @@ def memory_html(report: InspectReport) -> str:
 
 def profile_page(report: ProfileReport) -> str:
     from ..profiling import CATEGORIES
-    from .profile_view import LABELS, module_section, peak_section, verdict
+    from .profile_view import LABELS, module_section, outside_section, peak_section, verdict
     from .profile_view import summary_section as profile_summary
 
     o, c = report.original, report.converted_step
@@ -126,7 +126,13 @@ def profile_page(report: ProfileReport) -> str:
         ("change", f"{change:+.1f}%", human_bytes(abs(report.saving_bytes))),
         ("ranks", str(report.world_size), "converted runs as rank 0"),
     )
+    if o.reserved and c.reserved:
+        items += (
+            ("GPU must hold", human_bytes(c.reserved.gpu_bytes), "converted: reserved + outside"),
+        )
     tables = section_html(peak_section(report))
+    if report.outside is not None:
+        tables += section_html(outside_section(report))
     if o.modules or c.modules:
         tables += section_html(module_section(report))
     body = (

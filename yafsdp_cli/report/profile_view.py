@@ -41,6 +41,7 @@ def to_json(report: ProfileReport) -> str:
             "converted": _step_json(report.converted_step),
             "saving_bytes": report.saving_bytes,
             "kernels": report.kernels,
+            "outside": _outside_json(report),
             "notes": report.notes,
         },
     )
@@ -59,11 +60,20 @@ def _step_json(s: StepProfile) -> dict:
         "ops": s.ops,
         "wall_s": round(s.wall_s, 4),
         "series": s.series,
+        "reserved": s.reserved,
     }
+
+
+def _outside_json(report: ProfileReport) -> dict | None:
+    if report.outside is None:
+        return None
+    return {"parts": report.outside.parts, "total_bytes": report.outside.total}
 
 
 def sections(report: ProfileReport) -> list[Section]:
     out = [summary_section(report), peak_section(report)]
+    if report.outside is not None:
+        out.append(outside_section(report))
     if report.original.modules or report.converted_step.modules:
         out.append(module_section(report))
     for step in (report.original, report.converted_step):
@@ -155,16 +165,51 @@ def peak_section(report: ProfileReport) -> Section:
                 "",
             )
         )
+    rows.extend(_reserved_rows(o, c))
     caption = (
         "bytes alive at each step's peak, by what they are (they sum to the peak); "
         f"storages rounded to {report.round_bytes} B"
     )
+    if o.reserved and c.reserved:
+        caption += (
+            f"; reserved: the step replayed through CUDA's caching allocator "
+            f"({o.reserved.alloc_conf}), fragmentation: reserved less allocated at that peak"
+        )
     return Section(
         "Peak memory of one training step",
         ("", "original", "converted", "change"),
         tuple(rows),
         right=(1, 2, 3),
         caption=caption,
+    )
+
+
+def _reserved_rows(o: StepProfile, c: StepProfile) -> list[tuple[str, str, str, str]]:
+    if not (o.reserved and c.reserved):
+        return []
+    rows = []
+    for label, field in (
+        ("reserved peak (predicted)", "reserved_peak"),
+        ("fragmentation at that peak", "fragmentation"),
+        ("outside the allocator", "outside_bytes"),
+        ("GPU must hold (reserved + outside)", "gpu_bytes"),
+    ):
+        a, b = getattr(o.reserved, field), getattr(c.reserved, field)
+        rows.append((label, human_bytes(a), human_bytes(b), _delta(b - a)))
+    return rows
+
+
+def outside_section(report: ProfileReport) -> Section:
+    """The memory a GPU holds beside the caching allocator, part by part."""
+    parts = report.outside.parts
+    rows = tuple((p.name, human_bytes(p.bytes), p.source) for p in parts)
+    rows += (("total", human_bytes(report.outside.total), "the same for both steps"),)
+    return Section(
+        "Outside the caching allocator",
+        ("part", "bytes", "from"),
+        rows,
+        right=(1,),
+        caption="added to each step's predicted reserved peak: what the GPU must hold",
     )
 
 
