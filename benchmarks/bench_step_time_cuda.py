@@ -29,19 +29,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.bench_reserved_cuda import TINYLLAMA
+
 ROOT = Path(__file__).resolve().parents[1]
 CASE_TIMEOUT_S = 90
 TOTAL_S = 270  # under 5 minutes in all on an H200
 WARMUP, STEPS = 3, 10
-TINYLLAMA = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-)
 GPU_ROWS = {"H200": "H200", "H100": "H100-SXM", "A100-SXM4-80GB": "A100-80GB", "B200": "B200"}
 
 

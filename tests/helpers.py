@@ -92,3 +92,23 @@ def assert_records_equal(a, b) -> None:
                     assert ta.dtype == tb.dtype and ta.shape == tb.shape, f"{kind} {name}"
                     diff = (ta.double() - tb.double()).abs().max().item() if ta.numel() else 0
                     assert torch.equal(ta, tb), f"step {step} {kind} {name}: max diff {diff}"
+
+
+def run_gpu_bench_without_gpu(module: str, out) -> tuple[str, dict]:
+    """``python -m benchmarks.MODULE --out OUT`` on a machine without CUDA: it must say
+    so and exit 0; its stdout and the JSON it wrote."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
+    return done.stdout, json.loads(Path(out).read_text())

@@ -4,13 +4,9 @@ and a profiled step's trace replays to the tracker's own peak."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ROOT
+from helpers import run_gpu_bench_without_gpu
 
 from benchmarks import bench_reserved_cuda as bench
 from yafsdp_cli.memory import reserved_of
@@ -20,17 +16,7 @@ from yafsdp_cli.sources import load_source
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the bench would run")
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
-    out = tmp_path / "reserved.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_reserved_cuda", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "no CUDA device" in done.stdout
-    body = json.loads(out.read_text())
+    _, body = run_gpu_bench_without_gpu("bench_reserved_cuda", tmp_path / "reserved.json")
     assert body["skipped"] == "no CUDA device" and body["rows"] == []
 
 

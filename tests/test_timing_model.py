@@ -5,12 +5,10 @@ choice of the best configuration, each on a case worked by hand."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from helpers import run_gpu_bench_without_gpu
 
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
@@ -241,17 +239,8 @@ def test_objectives_are_checked():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the bench would run")
 def test_the_step_time_bench_skips_without_a_gpu(tmp_path):
-    out = tmp_path / "step_time.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_step_time_cuda", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "no CUDA device" in done.stdout
-    assert json.loads(out.read_text())["skipped"] == "no CUDA device"
+    _, body = run_gpu_bench_without_gpu("bench_step_time_cuda", tmp_path / "step_time.json")
+    assert body["skipped"] == "no CUDA device"
 
 
 # -- a whole estimate --------------------------------------------------------------------

@@ -217,7 +217,7 @@ def _batch(module: nn.Module, opts: ProfileOptions) -> Batch:
     return batch
 
 
-def _warm_up(opt, params: list[nn.Parameter]) -> None:
+def warm_up(opt, params: list[nn.Parameter]) -> None:
     """One step on zero gradients: the optimizer state of a steady-state step."""
     if opt is None:
         return
@@ -234,7 +234,7 @@ def _profile_step(
     masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.optimizer, stepped, _optimizer_impl(opts))
-    _warm_up(opt, stepped)
+    warm_up(opt, stepped)
     tracker = StorageTracker(_rounding(opts))
     _assign_roles(tracker, module, params, opt, batch)
     if masters is not None:

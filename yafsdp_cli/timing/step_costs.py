@@ -34,6 +34,7 @@ from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fak
 from ..profiling.kernels import CudaAttention
 from ..profiling.precision import Masters, cast_params
 from ..profiling.profile_options import ProfileOptions
+from ..profiling.profiler import warm_up
 from .op_costs import OpCost, OpCounter
 
 PHASES = ("forward", "backward", "optimizer")
@@ -116,7 +117,7 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.optimizer, stepped, impl)
     counter.phase = None  # the warm-up step is not counted
-    _warm_up(opt, stepped)
+    warm_up(opt, stepped)
     counter.phase = "forward"
     torch.manual_seed(opts.seed)
     loss = step_loss(run_forward(model, batch), opts.seed)
@@ -132,16 +133,6 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
     if masters is not None:
         masters.after_step()
     counter.phase = None
-
-
-def _warm_up(opt, params) -> None:
-    if opt is None:
-        return
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _backward(loss: torch.Tensor) -> None:
