@@ -6,7 +6,7 @@ per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
 a ``MemoryConfig`` (``config``) with no torch; and what PyTorch's CUDA caching
 allocator reserves for a step's allocation trace (``caching_allocator``, its
 settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``). It may
-import ``engine``, ``errors`` and ``fileio``; inspect, verify, profiling and the
+import ``engine``, ``options``, ``errors`` and ``fileio``; inspect, verify, profiling and the
 gate import it.
 """
 

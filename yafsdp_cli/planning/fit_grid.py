@@ -19,6 +19,7 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
+from ..memory.headroom import fits, needed_bytes, usable_bytes
 from ..sources import load_source
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
@@ -48,7 +49,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
-    usable = opts.gpu_memory - opts.reserve
+    usable = usable_bytes(opts.gpu_memory, opts.reserve)
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
     lines, checks = _measure(runner, opts, sizes, usable, lambda ws: memory(ws).total)
     rows = [
@@ -166,10 +167,10 @@ def _row(ws, mb, ck, seq_len, m, line: PhaseLine, opts: PlanOptions) -> PlanRow:
         seq_len=seq_len,
         checkpointing=ck,
         peak_bytes=peak,
-        needed_bytes=peak + opts.reserve,
+        needed_bytes=needed_bytes(peak, opts.reserve),
         breakdown=breakdown,
         peak_phase=phase,
-        fits=peak + opts.reserve <= opts.gpu_memory,
+        fits=fits(peak, opts.reserve, opts.gpu_memory),
         measured=ws in line.world_sizes,
     )
 
