@@ -257,12 +257,11 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
 
 
 def retype_params(spec: ModelSpec, param_dtype: str | None) -> ModelSpec:
-    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged)."""
+    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged);
+    ``param_dtype`` comes from a validated ``StepOptions``."""
     if not param_dtype:
         return spec
     target = dtypes.canonical(param_dtype)
-    if not dtypes.is_floating(target):
-        raise FilterError(f"--param-dtype {param_dtype!r} is not a floating-point dtype")
     tensors = tuple(
         dataclasses.replace(t, dtype=target) if t.is_param and t.floating else t
         for t in spec.tensors
