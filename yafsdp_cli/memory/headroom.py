@@ -4,9 +4,9 @@ A GPU fits a rank when the rank's peak in PyTorch's allocator plus what is held
 outside it (``reserve``: the CUDA context and NCCL's buffers) is at most the GPU's
 memory; ``headroom`` is what is left then (negative: short by that much). A host
 fits ``verify`` when its processes' sum, each rank's peak plus a fixed margin, is
-at most what the host has available. ``plan`` (``planning.fit_grid``), ``verify``
-(``verify.budget``) and the memory model's callers read these, so the three answer
-"does it fit" alike.
+at most what the host has available. ``plan`` (``planning.fit_grid``, for the
+memory model's persistent bytes and for each configuration's peak) and ``verify``
+(``verify.budget``) read these, so they answer "does it fit" alike.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ from __future__ import annotations
 def needed_bytes(peak: int, reserve: int) -> int:
     """What one GPU must have for a rank of ``peak`` bytes in the allocator."""
     return peak + reserve
-
-
-def usable_bytes(gpu_memory: int, reserve: int) -> int:
-    """What PyTorch's allocator may take of one GPU."""
-    return gpu_memory - reserve
 
 
 def headroom(peak: int, reserve: int, capacity: int) -> int:

@@ -88,7 +88,12 @@ class StepOptions:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOptions:
     """What the memory model and the fit test take beyond the layout and the step: the
-    GPU, what is held outside PyTorch's allocator, and how the allocator counts."""
+    GPU, what is held outside PyTorch's allocator, and how the allocator counts.
+
+    A new input of the memory model (an allocator configuration, a safety margin,
+    overheads per part) is a field here, checked in ``__post_init__``; every command
+    whose options hold this piece then carries it, and ``memory.config.memory_config``
+    hands the piece to the memory model."""
 
     gpu_memory: int | None = None  # bytes per GPU; None: no GPU to fit (inspect, profile)
     reserve: int = DEFAULT_RESERVE  # bytes held outside PyTorch per GPU: CUDA context + NCCL
