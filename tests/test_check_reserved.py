@@ -10,6 +10,7 @@ from yafsdp_cli.gate.baseline import StepFigures, StepInputs, _parse_step
 from yafsdp_cli.gate.regressions import RESERVED_NAME, compare_step
 from yafsdp_cli.gate.step_figures import measure_step
 from yafsdp_cli.memory import reserved_of
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.profiling import ProfileOptions, profile_model
 from yafsdp_cli.sources import load_source
 
@@ -53,7 +54,7 @@ def test_a_baseline_without_reserved_is_read_and_skips_it():
 def test_measured_reserved_is_the_replay_of_the_converted_step(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     loaded = load_source(None, model="sample_models.models:gpt")
-    got = measure_step(loaded, INPUTS, {})
+    got = measure_step(loaded, INPUTS, LayoutOptions())
     traces: dict = {}
     opts = ProfileOptions(fake=True, per_module=True, depth=64)
     profile_model(load_source(None, model="sample_models.models:gpt"), opts, traces=traces)

@@ -95,11 +95,14 @@ def test_dropped_checkpointing_fails_naming_activations(models, tmp_path):
 def test_the_fake_step_gives_the_same_figures_every_time(models):
     from yafsdp_cli.gate.baseline import StepInputs
     from yafsdp_cli.gate.step_figures import measure_step
+    from yafsdp_cli.options import LayoutOptions
     from yafsdp_cli.sources import load_source
 
     inputs = StepInputs(2, 64, "none", 2, "adamw")
     runs = [
-        dataclasses.asdict(measure_step(load_source(None, model=f"{models}:eager"), inputs, {}))
+        dataclasses.asdict(
+            measure_step(load_source(None, model=f"{models}:eager"), inputs, LayoutOptions())
+        )
         for _ in range(3)
     ]
     assert runs[0] == runs[1] == runs[2]

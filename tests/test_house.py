@@ -19,6 +19,7 @@ RANKS = {
     "errors": 0,
     "fileio": 1,
     "engine": 2,
+    "options": 3,
     "sources": 3,
     "memory": 4,
     "inspect": 5,
@@ -27,9 +28,9 @@ RANKS = {
     "timing": 6,
     "planning": 7,
     "checkpoint": 5,
-    "gate": 7,
-    "report": 8,
-    "cli": 9,
+    "gate": 8,
+    "report": 9,
+    "cli": 10,
 }
 UI_LIBRARIES = ("rich", "typer")
 UI_ROOMS = ("report", "cli")
@@ -145,6 +146,16 @@ def test_only_report_and_cli_import_rich_and_typer(name):
         return
     used = external_imports(modules()[name]) & set(UI_LIBRARIES)
     assert not used, f"{name} imports {sorted(used)}; rendering belongs to report/ and cli/"
+
+
+def test_no_command_module_imports_another():
+    """What two commands share lives in ``cli.flags`` or ``cli.command_kit`` (or the
+    library), never in one command's module."""
+    edges = graph()
+    commands = {n for n in edges if n.startswith(f"{PKG.name}.cli.") and n.endswith("_cmd")}
+    assert len(commands) >= 6, commands
+    wrong = {n: sorted(edges[n] & commands) for n in sorted(commands) if edges[n] & commands}
+    assert not wrong, f"command modules importing other command modules: {wrong}"
 
 
 def test_every_room_says_what_it_owns():

@@ -12,9 +12,11 @@ each command imports its library inside its function, and Rich is imported when
 something is rendered (never under ``--json``). ``app`` from this package has every
 command.
 
-Modules: ``root`` (the app), one ``*_cmd`` per command, ``command_kit`` (consoles,
-the error boundary, options shared by several commands), ``progress`` and
-``html_out``. It may import every room.
+Modules: ``root`` (the app), one ``*_cmd`` per command (no command module imports
+another), ``command_kit`` (consoles, the error boundary, exit codes), ``flags``
+(every option shared by several commands, declared once, and what builds the
+library's options model from them), ``progress`` and ``html_out``. It may import
+every room.
 """
 
 from __future__ import annotations

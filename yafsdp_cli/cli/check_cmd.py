@@ -2,28 +2,46 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from .command_kit import (
-    EXIT_CHECK_FAILED,
+from .command_kit import EXIT_CHECK_FAILED, errors_to_exit, stderr, stdout
+from .flags import (
+    AlignOpt,
+    BatchOpt,
+    CheckpointingOpt,
     ExcludeOpt,
     FilterOpt,
+    GradDtypeOpt,
     JsonOpt,
     ModelOpt,
+    OptimizerOpt,
+    ParamDtypeOpt,
+    SeqLenOpt,
     TrustPickleOpt,
     UnitOpt,
-    errors_to_exit,
-    stderr,
-    stdout,
+    WorldSizeOpt,
+    render,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .root import app
 
-AS_RECORDED = "Default: as the baseline recorded it."
+# the options a baseline records: given, they replace the recorded ones
+GIVEN = (
+    "filters",
+    "excludes",
+    "units",
+    "world_size",
+    "align",
+    "param_dtype",
+    "grad_dtype",
+    "optimizer",
+    "batch",
+    "seq_len",
+    "checkpointing",
+)
 
 
 @app.command("check")
@@ -62,35 +80,17 @@ def check_command(
     no_step: Annotated[
         bool, typer.Option("--no-step", help="Gate the memory model only; no fake step.")
     ] = False,
-    batch: Annotated[
-        int | None, typer.Option("--batch", min=1, help=f"Fake step batch size. {AS_RECORDED}")
-    ] = None,
-    seq_len: Annotated[
-        int | None,
-        typer.Option("--seq-len", min=1, help=f"Fake step tokens per sample. {AS_RECORDED}"),
-    ] = None,
-    checkpointing: Annotated[
-        str | None,
-        typer.Option(
-            "--checkpointing",
-            help=f"Fake step activation checkpointing: none | reentrant | non-reentrant. "
-            f"{AS_RECORDED}",
-        ),
-    ] = None,
+    batch: BatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    checkpointing: CheckpointingOpt = None,
     filters: FilterOpt = None,
     excludes: ExcludeOpt = None,
     units: UnitOpt = None,
-    world_size: Annotated[
-        int | None, typer.Option("--world-size", "-n", min=1, help=f"Ranks. {AS_RECORDED}")
-    ] = None,
-    align: Annotated[str | None, typer.Option("--align", help=f"Alignment. {AS_RECORDED}")] = None,
-    param_dtype: Annotated[
-        str | None, typer.Option("--param-dtype", metavar="DTYPE", help=AS_RECORDED)
-    ] = None,
-    grad_dtype: Annotated[
-        str | None, typer.Option("--grad-dtype", metavar="DTYPE", help=AS_RECORDED)
-    ] = None,
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help=AS_RECORDED)] = None,
+    world_size: WorldSizeOpt = None,
+    align: AlignOpt = None,
+    param_dtype: ParamDtypeOpt = None,
+    grad_dtype: GradDtypeOpt = None,
+    optimizer: OptimizerOpt = None,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
     json_out: JsonOpt = False,
@@ -105,38 +105,21 @@ def check_command(
     Figures: the memory model per rank and, where the source has an architecture, a
     fake training step (peak by category and phase, saved activations by module).
     Create the baseline once with --update (commit it), then run the same command
-    without --update in CI.
+    without --update in CI. Options the baseline records (layout, dtypes, optimizer,
+    the step's batch, length and checkpointing) default to what it recorded.
     """
-    overrides = {
-        "filters": tuple(filters) if filters else None,
-        "excludes": tuple(excludes) if excludes else None,
-        "units": tuple(units) if units else None,
-        "world_size": world_size,
-        "align": align,
-        "param_dtype": param_dtype,
-        "grad_dtype": grad_dtype,
-        "optimizer": optimizer,
-    }
     with errors_to_exit():
         check_html_path(html, source, baseline)
-        from ..engine.idioms import check_checkpointing
         from ..gate.baseline import plan_baseline
         from ..gate.run_check import CheckRequest, run_check
+        from ..report import gate_view as view
 
         plan_doc = plan_baseline(baseline)
         if plan_doc is not None:
-            from ..errors import YafsdpError
-            from .plan_cmd import check_plan
-
-            if update:
-                raise YafsdpError(
-                    "a plan baseline is written by `yafsdp plan --json`, not --update"
-                )
-            check_plan(plan_doc, trust_pickle)
+            _recheck_plan(plan_doc, update, trust_pickle)
             return
-
-        if checkpointing is not None:
-            check_checkpointing(checkpointing)
+        values = locals()
+        given = {k: values[k] for k in GIVEN if values[k] not in (None, [])}
         outcome = run_check(
             CheckRequest(
                 baseline=baseline,
@@ -145,10 +128,7 @@ def check_command(
                 update=update,
                 tolerance=tolerance,
                 step_tolerance=step_tolerance,
-                overrides=overrides,
-                batch=batch,
-                seq_len=seq_len,
-                checkpointing=checkpointing,
+                given=given,
                 step=not no_step,
                 trust_pickle=trust_pickle,
             )
@@ -158,7 +138,7 @@ def check_command(
         if result is None:
             stderr.print(_written(baseline, outcome.current), markup=False, highlight=False)
             return
-        _render(result, json_out, markdown)
+        render(view, result, "json" if json_out else "markdown" if markdown else "table")
     if not result.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
 
@@ -180,13 +160,17 @@ def _write_page(html: Path | None, result, report) -> None:
         write_html(html, check_page(result, report))
 
 
-def _render(result, json_out: bool, markdown: bool) -> None:
-    from ..report import gate_view as view
+def _recheck_plan(doc, update: bool, trust_pickle: bool) -> None:
+    """A saved plan as the baseline: plan again; exit 1 if a configuration that
+    fitted no longer does."""
+    from ..errors import YafsdpError
+    from ..gate.plan_recheck import recheck_plan
 
-    if json_out:
-        sys.stdout.write(view.to_json(result) + "\n")
-    elif markdown:
-        sys.stdout.write(view.to_markdown(result))
-    else:
-        for renderable in view.to_rich(result):
-            stdout.print(renderable)
+    if update:
+        raise YafsdpError("a plan baseline is written by `yafsdp plan --json`, not --update")
+    outcome = recheck_plan(doc, trust_pickle)
+    for line in outcome.lost:
+        stdout.print(f"regression: {line}", markup=False, highlight=False)
+    if not outcome.passed:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+    stdout.print(f"ok: every configuration that fitted still fits ({outcome.checked} checked)")

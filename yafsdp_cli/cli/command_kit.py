@@ -1,4 +1,4 @@
-"""What every command shares: consoles, the error boundary, common options."""
+"""What every command shares: consoles, the error boundary, the exit codes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -161,61 +161,3 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(" ".join(text.split()))
-
-
-# Options shared by several commands, so their help reads the same everywhere.
-FilterOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--filter",
-        help="Convert parameters matching EXPR (repeatable): linear, embedding, conv, norm, "
-        "type:Class, name:GLOB, re:REGEX, dtype:bf16, min-numel:N, all. "
-        "Default: every floating-point parameter.",
-        metavar="EXPR",
-    ),
-]
-ExcludeOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--exclude", help="Do not convert parameters matching EXPR (repeatable).", metavar="EXPR"
-    ),
-]
-UnitOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--unit",
-        help="Modules (fnmatch GLOB, outermost match wins) that get flat buffers of their own. "
-        "Default: the repeated blocks.",
-        metavar="GLOB",
-    ),
-]
-WorldSizeOpt = Annotated[
-    int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to shard for.")
-]
-AlignOpt = Annotated[
-    str,
-    typer.Option(
-        "--align", help="yafsdp | fsdp | megatron | none | BYTES: parameter starts and padding."
-    ),
-]
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        help="Architecture factory package.module:callable (or path/file.py:callable); "
-        "SOURCE then gives its weights.",
-        metavar="MODULE:FACTORY",
-    ),
-]
-TrustPickleOpt = Annotated[
-    bool,
-    typer.Option(
-        "--trust-pickle",
-        help="Allow loading a pickled nn.Module (this runs code from the file); its classes "
-        "are imported with the current directory on the import path, as --model's are.",
-    ),
-]
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")
-]
-ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .command_kit import (
-    EXIT_CHECK_FAILED,
+from .command_kit import EXIT_CHECK_FAILED, errors_to_exit, stdout
+from .flags import (
     AlignOpt,
     ExcludeOpt,
     FilterOpt,
@@ -19,8 +19,6 @@ from .command_kit import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
-    errors_to_exit,
-    stdout,
 )
 from .progress import ProgressBar
 from .root import app

@@ -2,39 +2,39 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
 
-from .command_kit import (
+from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
+from .flags import (
     AlignOpt,
+    BatchOpt,
+    CheckpointingOpt,
+    DeviceOpt,
     ExcludeOpt,
     FilterOpt,
+    FormatOpt,
+    GradDtypeOpt,
+    InputShapeOpt,
     JsonOpt,
     ModelOpt,
+    OptimizerImplOpt,
+    OptimizerOpt,
+    ParamDtypeOpt,
+    SeedOpt,
+    SeqLenOpt,
+    SourceArg,
+    TargetOpt,
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
-    check_format,
-    errors_to_exit,
-    interrupt_ends_at_once,
-    stdout,
+    options_from,
+    render,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .progress import StageBar
 from .root import app
-from .verify_cmd import (
-    BatchOpt,
-    DeviceOpt,
-    FormatOpt,
-    InputShapeOpt,
-    OptimizerOpt,
-    SeedOpt,
-    SeqLenOpt,
-    SourceArg,
-    parse_shape,
-)
 
 
 @app.command("profile")
@@ -47,13 +47,7 @@ def profile_command(
         typer.Option("--fake", help="Run under FakeTensorMode: shapes only, no memory used."),
     ] = False,
     optimizer: OptimizerOpt = "adamw",
-    optimizer_impl: Annotated[
-        str,
-        typer.Option(
-            "--optimizer-impl",
-            help="auto | for-loop | foreach | fused (auto: torch's default for the device).",
-        ),
-    ] = "auto",
+    optimizer_impl: OptimizerImplOpt = "auto",
     filters: FilterOpt = None,
     excludes: ExcludeOpt = None,
     units: UnitOpt = None,
@@ -64,22 +58,8 @@ def profile_command(
     input_shape: InputShapeOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
-    target: Annotated[
-        str | None,
-        typer.Option(
-            "--target",
-            help="cpu | cuda: whose kernels the figures are for (default: the device's). "
-            "cuda without a GPU needs --fake: CUDA's attention kernels are accounted.",
-        ),
-    ] = None,
-    checkpointing: Annotated[
-        str,
-        typer.Option(
-            "--checkpointing",
-            help="none | reentrant | non-reentrant: activation checkpointing of every unit "
-            "(transformers models: their own, every layer).",
-        ),
-    ] = "none",
+    target: TargetOpt = None,
+    checkpointing: CheckpointingOpt = "none",
     modules: Annotated[
         int,
         typer.Option(
@@ -88,18 +68,8 @@ def profile_command(
             help="Break the peak's activations down by the modules that made them: top N.",
         ),
     ] = 0,
-    param_dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--param-dtype",
-            help="bf16 | fp16 | fp32: train in this dtype; 16-bit gets float32 master "
-            "weights and optimizer states (default: the weights' dtype).",
-        ),
-    ] = None,
-    grad_dtype: Annotated[
-        str | None,
-        typer.Option("--grad-dtype", help="fp32: float32 gradients (default: param dtype)."),
-    ] = None,
+    param_dtype: ParamDtypeOpt = None,
+    grad_dtype: GradDtypeOpt = None,
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,
@@ -129,30 +99,9 @@ def profile_command(
         check_html_path(html, source)
         from ..profiling import ProfileOptions, profile_source
         from ..profiling.profiler import STAGES
+        from ..report import profile_view as view
 
-        opts = ProfileOptions(
-            optimizer=optimizer,
-            optimizer_impl=optimizer_impl,
-            filters=tuple(filters or ()),
-            excludes=tuple(excludes or ()),
-            units=tuple(units) if units else None,
-            world_size=world_size,
-            align=align,
-            batch=batch,
-            seq_len=seq_len,
-            input_shape=parse_shape(input_shape),
-            seed=seed,
-            fake=fake,
-            per_module=per_module,
-            depth=depth,
-            modules=modules,
-            device=device,
-            target=target,
-            param_dtype=param_dtype,
-            grad_dtype=grad_dtype,
-            checkpointing=checkpointing,
-            alloc_conf=alloc_conf,
-        )
+        opts = options_from(ProfileOptions, locals())
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar, interrupt_ends_at_once():
             report = profile_source(
                 source, model=model, trust_pickle=trust_pickle, opts=opts, progress=bar
@@ -161,16 +110,4 @@ def profile_command(
             from ..report.html import profile_page
 
             write_html(html, profile_page(report))
-        _render(report, fmt)
-
-
-def _render(report, fmt: str) -> None:
-    from ..report import profile_view as view
-
-    if fmt == "json":
-        sys.stdout.write(view.to_json(report) + "\n")
-    elif fmt == "markdown":
-        sys.stdout.write(view.to_markdown(report))
-    else:
-        for renderable in view.to_rich(report):
-            stdout.print(renderable)
+        render(view, report, fmt)

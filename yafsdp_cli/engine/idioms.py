@@ -22,13 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import YafsdpError
-
-CHECKPOINTING = ("none", "reentrant", "non-reentrant")
-
-
-def check_checkpointing(mode: str) -> None:
-    if mode not in CHECKPOINTING:
-        raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
+from .choices import CHECKPOINTING, check_checkpointing  # noqa: F401 - idioms' API
 
 
 def apply_checkpointing(module: nn.Module, mode: str, units: Sequence[str]) -> str:

@@ -29,11 +29,10 @@ import torch
 from torch import nn
 
 from ..errors import YafsdpError
+from .choices import OPTIMIZER_IMPLS, OPTIMIZERS, check_optimizer  # noqa: F401 - the step's API
 from .inputs import make_input, projection_loss
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
-OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 LR = 1e-3
 
 
@@ -186,13 +185,6 @@ def forward_backward(model: nn.Module, batch: Batch, seed: int) -> torch.Tensor:
     out = run_forward(model, batch)
     step_loss(out, seed).backward()
     return output_tensor(out).detach()
-
-
-def check_optimizer(kind: str, impl: str = "for-loop") -> None:
-    if kind not in OPTIMIZERS:
-        raise YafsdpError(f"--optimizer {kind!r} is not one of {'|'.join(OPTIMIZERS)}")
-    if impl not in OPTIMIZER_IMPLS:
-        raise YafsdpError(f"--optimizer-impl {impl!r} is not one of {'|'.join(OPTIMIZER_IMPLS)}")
 
 
 def make_optimizer(kind: str, params, impl: str = "for-loop") -> torch.optim.Optimizer | None:

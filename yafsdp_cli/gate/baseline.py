@@ -5,10 +5,12 @@ A baseline (``yafsdp.baseline/2``) records
 - ``source``: SOURCE and ``--model`` as given (a path under the directory ``check``
   ran in is stored relative to it, so a committed baseline works from any clone:
   ``check`` reads relative paths from the directory it runs in), and the source kind;
-- ``inputs``: the memory model's options (``InspectInputs``);
+- ``inputs``: the memory model's options (``InspectInputs``): the fields of the
+  options model's layout, step and memory pieces, which ``recorded_options`` rebuilds;
 - ``memory``: the memory model's per-rank figures (``MemoryFigures``);
 - ``step``: where the source has an architecture, a fake training step
-  (``StepFigures``), else ``None`` with the reason in ``skipped``.
+  (``StepFigures``, its step piece's batch, length, checkpointing and optimizer in
+  ``StepInputs``), else ``None`` with the reason in ``skipped``.
 
 A ``yafsdp.inspect/1`` document (what ``check --update`` wrote before) is still a
 baseline: its memory figures are checked and the step is reported as skipped. A
@@ -23,11 +25,14 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import YafsdpError
+from ..inspect.inspect_options import InspectOptions
+from ..options import StepOptions
 
 SCHEMA = "yafsdp.baseline/2"
 PLAN_SCHEMA = "yafsdp.plan/1"
@@ -56,6 +61,22 @@ class MemoryFigures:
     parameters: int  # elements
 
 
+# The options a baseline records, by ``InspectInputs`` field -> the options model's name.
+INPUT_KEYS = {
+    "filters": "filters",
+    "excludes": "excludes",
+    "unit_globs": "units",
+    "world_size": "world_size",
+    "align": "align",
+    "param_dtype": "param_dtype",
+    "grad_dtype": "grad_dtype",
+    "optimizer": "optimizer",
+    "master_weights": "master_weights",
+    "round_bytes": "round_bytes",
+    "fsdp_placement": "fsdp_placement",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """The fake step's options (the converted model, rank 0 of ``world_size``)."""
@@ -65,6 +86,15 @@ class StepInputs:
     checkpointing: str  # none | reentrant | non-reentrant
     world_size: int
     optimizer: str
+
+    def step_options(self) -> StepOptions:
+        """The step piece these record (validated)."""
+        return StepOptions(
+            optimizer=self.optimizer,
+            batch=self.batch,
+            seq_len=self.seq_len,
+            checkpointing=self.checkpointing,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +131,15 @@ class Baseline:
     step: StepFigures | None
     skipped: tuple[str, ...] = ()  # why figures are missing
     schema: str = SCHEMA  # what the file said; LEGACY_SCHEMA for an inspect document
+
+
+def recorded_options(inputs: Mapping[str, Any], given: Mapping[str, Any]) -> InspectOptions:
+    """The memory model's options a baseline recorded (``Baseline.inputs``), rebuilt as
+    the options model's pieces, with the options the user ``given`` (``None``: as
+    recorded) in their place; the pieces validate both."""
+    flat = {kw: inputs[key] for key, kw in INPUT_KEYS.items() if key in inputs}
+    flat.update((k, v) for k, v in given.items() if v is not None and k in InspectOptions.FIELDS)
+    return InspectOptions(**flat)
 
 
 def portable(path: str | None) -> str | None:

@@ -64,21 +64,6 @@ PHASE_NAMES = {
     "optimizer": "optimizer peak",
 }
 
-# The memory model's options a baseline records, by their inspect_model keyword.
-INPUT_KEYS = {
-    "filters": "filters",
-    "excludes": "excludes",
-    "unit_globs": "units",
-    "world_size": "world_size",
-    "align": "align",
-    "param_dtype": "param_dtype",
-    "grad_dtype": "grad_dtype",
-    "optimizer": "optimizer",
-    "master_weights": "master_weights",
-    "round_bytes": "round_bytes",
-    "fsdp_placement": "fsdp_placement",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class MetricCheck:
@@ -231,32 +216,20 @@ def _ancestor(a: str, b: str) -> bool:
     return b.startswith(f"{a}.")
 
 
-def baseline_inputs(recorded: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``inspect_model`` keywords: the baseline's recorded inputs, then ``overrides``
-    (options the user gave, ``None`` meaning "as recorded")."""
-    kwargs = {kw: recorded[key] for key, kw in INPUT_KEYS.items() if key in recorded}
-    for key in ("filters", "excludes", "units"):
-        kwargs[key] = tuple(kwargs.get(key) or ())
-    kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    return kwargs
-
-
-def plan_regressions(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
-    """Each configuration that fitted in ``baseline`` and does not in ``current`` (two
-    ``yafsdp.plan/1`` documents), as a sentence naming it and both peaks."""
-
-    def key(row: Mapping[str, Any]) -> tuple:
-        return (row["world_size"], row["micro_batch"], row["seq_len"], row["checkpointing"])
-
-    now = {key(r): r for r in current["rows"]}
+def plan_regressions(baseline: Mapping[str, Any], current) -> tuple[str, ...]:
+    """Each configuration that fitted in ``baseline`` (a ``yafsdp.plan/1`` document)
+    and does not in ``current`` (a ``planning.PlanReport``), as a sentence naming it
+    and both peaks."""
+    now = {(r.world_size, r.micro_batch, r.seq_len, r.checkpointing): r for r in current.rows}
     out = []
     for row in baseline["rows"]:
-        new = now.get(key(row))
-        if row["fits"] and new is not None and not new["fits"]:
-            ws, mb, seq, ck = key(row)
+        key = (row["world_size"], row["micro_batch"], row["seq_len"], row["checkpointing"])
+        new = now.get(key)
+        if row["fits"] and new is not None and not new.fits:
+            ws, mb, seq, ck = key
             out.append(
                 f"world size {ws}, micro-batch {mb} x {seq} tokens, checkpointing {ck}: "
-                f"fitted ({row['needed_bytes']} B), now needs {new['needed_bytes']} B "
-                f"of {current['gpu_memory_bytes']} B"
+                f"fitted ({row['needed_bytes']} B), now needs {new.needed_bytes} B "
+                f"of {current.gpu_memory_bytes} B"
             )
     return tuple(out)

@@ -1,7 +1,9 @@
 """``run_check``: rebuild the baseline's inputs, measure, then compare or record.
 
-The CLI gives what the user typed (``CheckRequest``; ``None`` means "as the baseline
-recorded it"); this loads the baseline, loads the same source (SOURCE and
+The CLI gives what the user typed (``CheckRequest``: the options it gave, by the
+options model's names; an absent or ``None`` one is "as the baseline recorded it");
+this loads the baseline, rebuilds the options' pieces from it with the given ones in
+their place (``baseline.recorded_options``), loads the same source (SOURCE and
 ``--model`` as recorded, relative paths read from the directory check runs in),
 runs the memory model and, where the source has an architecture, the fake step,
 then writes a new baseline (``update``) or compares against the old one.
@@ -10,12 +12,14 @@ then writes a new baseline (``update``) or compares against the old one.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import YafsdpError
 from ..inspect.build import InspectReport, inspect_model
+from ..options import StepOptions
 from ..sources import load_source
 from .baseline import (
     Baseline,
@@ -26,19 +30,17 @@ from .baseline import (
     load_baseline,
     portable,
     portable_model,
+    recorded_options,
     write_baseline,
 )
 from .regressions import (
     MEMORY_TOLERANCE,
     STEP_TOLERANCE,
     CheckReport,
-    baseline_inputs,
     compare_memory,
     compare_step,
     module_changes,
 )
-
-DEFAULT_BATCH, DEFAULT_SEQ_LEN = 2, 16  # profile's defaults
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,10 +51,9 @@ class CheckRequest:
     update: bool = False
     tolerance: float | None = None  # None: MEMORY_TOLERANCE, and STEP_TOLERANCE for the step
     step_tolerance: float | None = None  # None: --tolerance if given, else STEP_TOLERANCE
-    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # inspect options
-    batch: int | None = None
-    seq_len: int | None = None
-    checkpointing: str | None = None
+    # the layout, step and memory options given: InspectOptions' names, and the step's
+    # batch, seq_len and checkpointing
+    given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     step: bool = True  # False: --no-step
     trust_pickle: bool = False
 
@@ -71,14 +72,14 @@ class CheckOutcome:
 
 
 def run_check(req: CheckRequest) -> CheckOutcome:
+    given_step(req)
     old = _previous(req)
-    recorded = old.inputs if old else {}
-    inputs = baseline_inputs(recorded, req.overrides)
+    options = recorded_options(old.inputs if old else {}, req.given)
     source = req.source or (old.source.path if old else None)
     model = req.model or (old.source.model if old else None)
     loaded = load_source(source, model=model, trust_pickle=req.trust_pickle)
-    report = inspect_model(loaded, **inputs, model=model)
-    step, skipped = _step(req, old, loaded, report, inputs)
+    report = inspect_model(loaded, options, model=model)
+    step, skipped = _step(req, old, loaded, report, options)
     current = Baseline(
         source=SourceRef(portable(source), portable_model(model), report.source_kind),
         inputs=dataclasses.asdict(report.inputs),
@@ -89,7 +90,7 @@ def run_check(req: CheckRequest) -> CheckOutcome:
     if req.update:
         write_baseline(req.baseline, current)
         return CheckOutcome(current, report, None)
-    return CheckOutcome(current, report, compare(req, old, current, inputs))
+    return CheckOutcome(current, report, compare(req, old, current, options.flat()))
 
 
 def _previous(req: CheckRequest) -> Baseline | None:
@@ -114,14 +115,29 @@ def memory_figures(report: InspectReport) -> MemoryFigures:
     )
 
 
+STEP_NAMES = ("batch", "seq_len", "checkpointing")  # the step piece's fields check takes
+
+
+def given_step(req: CheckRequest) -> dict[str, Any]:
+    """The step options the request gives, validated (as a step piece) before anything
+    runs."""
+    given = {k: req.given[k] for k in STEP_NAMES if req.given.get(k) is not None}
+    StepOptions(**given)
+    return given
+
+
 def step_inputs(req: CheckRequest, old: Baseline | None, report: InspectReport) -> StepInputs:
     """The request's step options, else the baseline's, else profile's defaults; ranks
     and optimizer are the memory model's."""
-    recorded = old.step.inputs if old and old.step else None
-    batch = req.batch or (recorded.batch if recorded else DEFAULT_BATCH)
-    seq_len = req.seq_len or (recorded.seq_len if recorded else DEFAULT_SEQ_LEN)
-    ckpt = req.checkpointing or (recorded.checkpointing if recorded else "none")
-    return StepInputs(batch, seq_len, ckpt, report.inputs.world_size, report.inputs.optimizer)
+    recorded = old.step.inputs.step_options() if old and old.step else StepOptions()
+    step = dataclasses.replace(recorded, **given_step(req))
+    return StepInputs(
+        step.batch,
+        step.seq_len,
+        step.checkpointing,
+        report.inputs.world_size,
+        report.inputs.optimizer,
+    )
 
 
 def _step(req, old, loaded, report, inputs) -> tuple[StepFigures | None, tuple[str, ...]]:
@@ -143,7 +159,7 @@ def _step(req, old, loaded, report, inputs) -> tuple[StepFigures | None, tuple[s
         return None, ("fake step: not in the baseline; --update records one",)
     from .step_figures import measure_step
 
-    return measure_step(loaded, step_inputs(req, old, report), inputs), ()
+    return measure_step(loaded, step_inputs(req, old, report), inputs.layout), ()
 
 
 def compare(req: CheckRequest, old: Baseline, current: Baseline, inputs) -> CheckReport:

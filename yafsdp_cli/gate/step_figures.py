@@ -13,13 +13,13 @@ modules whose names differ only in their indices (``model.layers.*.self_attn``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Mapping
-from typing import Any
 
 from ..memory import reserved_of
+from ..options import LayoutOptions, StepOptions
 from ..profiling import ProfileOptions, profile_model
 from .baseline import CATEGORIES, ModuleSaved, StepFigures, StepInputs
 
@@ -32,29 +32,27 @@ def pattern(name: str) -> str:
     return _INDEX.sub("*", name)
 
 
-def step_options(inputs: StepInputs, inspect_inputs: Mapping[str, Any]) -> ProfileOptions:
-    """``ProfileOptions`` for the gate's step: the memory model's selection and units,
-    the step's batch, length and checkpointing, every module followed."""
-    units = tuple(inspect_inputs.get("units") or ())
+def step_options(inputs: StepInputs, layout: LayoutOptions) -> ProfileOptions:
+    """``ProfileOptions`` for the gate's step: the memory model's layout piece at the
+    step's world size, the step's batch, length, checkpointing and optimizer, every
+    module followed."""
     return ProfileOptions(
+        layout=dataclasses.replace(layout, world_size=inputs.world_size),
+        step=StepOptions(
+            optimizer=inputs.optimizer,
+            batch=inputs.batch,
+            seq_len=inputs.seq_len,
+            checkpointing=inputs.checkpointing,
+        ),
         fake=True,
-        optimizer=inputs.optimizer,
-        filters=tuple(inspect_inputs.get("filters") or ()),
-        excludes=tuple(inspect_inputs.get("excludes") or ()),
-        units=units or None,
-        world_size=inputs.world_size,
-        align=str(inspect_inputs.get("align", "yafsdp")),
-        batch=inputs.batch,
-        seq_len=inputs.seq_len,
-        checkpointing=inputs.checkpointing,
         per_module=True,
         depth=MODULE_DEPTH,
     )
 
 
-def measure_step(loaded, inputs: StepInputs, inspect_inputs: Mapping[str, Any]) -> StepFigures:
+def measure_step(loaded, inputs: StepInputs, layout: LayoutOptions) -> StepFigures:
     """Run the fake step of ``loaded`` (``sources.load_source``) and keep its figures."""
-    opts = step_options(inputs, inspect_inputs)
+    opts = step_options(inputs, layout)
     with warnings.catch_warnings():
         # transformers deprecates the checkpointing call it still honours; CI logs
         # should carry the verdict, not that.

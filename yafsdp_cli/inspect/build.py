@@ -26,14 +26,15 @@ from ..engine.plan import plan
 from ..engine.records import ModelSpec, TensorRecord
 from ..engine.units import ROOT
 from ..errors import FilterError, SourceError
+from ..memory.config import memory_config
 from ..memory.estimate import (
     MemoryBreakdown,
-    MemoryConfig,
     MemoryReport,
     assumptions,
     estimate_memory,
 )
-from ..memory.fsdp2 import RankGroup, UnevenSplit, check_placement
+from ..memory.fsdp2 import RankGroup, UnevenSplit
+from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
 SCHEMA = "yafsdp.inspect/1"
@@ -181,58 +182,48 @@ class InspectReport:
 
 
 def inspect_model(
-    loaded,
-    *,
-    filters: Sequence[str] = (),
-    excludes: Sequence[str] = (),
-    units: Sequence[str] = (),
-    world_size: int = 1,
-    align: str = "yafsdp",
-    param_dtype: str | None = None,
-    grad_dtype: str | None = None,
-    optimizer: str | None = None,
-    master_weights: bool | None = None,
-    round_bytes: int = 512,
-    fsdp_placement: str = "dim0",
-    model: str | None = None,
+    loaded, opts: InspectOptions | None = None, *, model: str | None = None, **flat
 ) -> InspectReport:
     """Plan ``loaded`` (a ``sources.LoadedModel``) and estimate its per-rank memory.
 
-    ``param_dtype`` is the training dtype: floating parameters are planned and
-    counted in it whatever their stored dtype. ``optimizer=None`` takes the
-    checkpoint's own (a DCP checkpoint with optimizer state), else AdamW. Raises ``FilterError``,
-    ``LayoutError`` or ``YafsdpError`` for bad options.
+    ``opts`` (or its flat keywords, e.g. ``world_size=4``): ``param_dtype`` is the
+    training dtype: floating parameters are planned and counted in it whatever their
+    stored dtype. ``optimizer=None`` takes the checkpoint's own (a DCP checkpoint with
+    optimizer state), else AdamW. Raises ``FilterError``, ``LayoutError`` or
+    ``YafsdpError`` for bad options.
     """
+    opts = opts if opts is not None else InspectOptions(**flat)
+    lay, step = opts.layout, opts.step
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
-    _check_architecture_filters(loaded, [*filters, *excludes])
-    spec = retype_params(loaded.spec, param_dtype)
-    optimizer, decided = resolve_optimizer(loaded, optimizer)
-    cfg = MemoryConfig(
-        grad_dtype=grad_dtype,
-        optimizer=optimizer,
-        master_weights=master_weights,
-        round_bytes=round_bytes,
+    _check_architecture_filters(loaded, [*lay.filters, *lay.excludes])
+    spec = retype_params(loaded.spec, step.param_dtype)
+    optimizer, decided = resolve_optimizer(loaded, step.optimizer)
+    cfg = memory_config(step, opts.memory, optimizer=optimizer)
+    align_spec = parse_align(lay.align)
+    layout = plan(
+        spec,
+        filters=lay.filters,
+        excludes=lay.excludes,
+        units=lay.units or None,
+        world_size=lay.world_size,
+        align=align_spec,
     )
-    align_spec = parse_align(align)
-    check_placement(fsdp_placement)
-    kwargs = dict(filters=filters, excludes=excludes, units=units or None, world_size=world_size)
-    layout = plan(spec, **kwargs, align=align_spec)
-    memory = estimate_memory(layout, cfg, fsdp_placement=fsdp_placement)
+    memory = estimate_memory(layout, cfg, fsdp_placement=opts.fsdp_placement)
     inputs = InspectInputs(
         source=spec.source,
         model=model,
-        filters=tuple(filters),
-        excludes=tuple(excludes),
-        unit_globs=tuple(units),
-        world_size=world_size,
+        filters=lay.filters,
+        excludes=lay.excludes,
+        unit_globs=lay.units or (),
+        world_size=lay.world_size,
         align=align_spec.name,
-        param_dtype=dtypes.canonical(param_dtype) if param_dtype else None,
+        param_dtype=dtypes.canonical(step.param_dtype) if step.param_dtype else None,
         grad_dtype=cfg.grad_dtype,
         optimizer=optimizer,
-        master_weights=master_weights,
-        round_bytes=round_bytes,
-        fsdp_placement=fsdp_placement,
+        master_weights=opts.master_weights,
+        round_bytes=cfg.round_bytes,
+        fsdp_placement=opts.fsdp_placement,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
     stored = stored_state(loaded, layout, cfg, decided)
@@ -266,12 +257,11 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
 
 
 def retype_params(spec: ModelSpec, param_dtype: str | None) -> ModelSpec:
-    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged)."""
+    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged);
+    ``param_dtype`` comes from a validated ``StepOptions``."""
     if not param_dtype:
         return spec
     target = dtypes.canonical(param_dtype)
-    if not dtypes.is_floating(target):
-        raise FilterError(f"--param-dtype {param_dtype!r} is not a floating-point dtype")
     tensors = tuple(
         dataclasses.replace(t, dtype=target) if t.is_param and t.floating else t
         for t in spec.tensors

@@ -8,11 +8,11 @@ allocator reserves for a step's allocation trace (``caching_allocator``, its
 settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``), and what a
 GPU holds beside it (``outside_allocator``: the CUDA context, cuBLAS workspaces,
 NCCL buffers). It may
-import ``engine``, ``errors`` and ``fileio``; inspect, verify, profiling and the
+import ``engine``, ``options``, ``errors`` and ``fileio``; inspect, verify, profiling and the
 gate import it.
 """
 
-from .alloc_conf import AllocatorConf, parse_alloc_conf
+from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
 from .caching_allocator import AllocTrace, ReservedEstimate, TraceEvent, first_fit, reserved_of
 from .config import MemoryBreakdown, MemoryConfig
 from .estimate import MemoryReport, assumptions, estimate_memory

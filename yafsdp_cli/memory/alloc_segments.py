@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from .alloc_conf import LARGE_BUFFER, MIB, MIN_BLOCK, AllocatorConf
+from ..options.alloc_conf import LARGE_BUFFER, MIB, MIN_BLOCK, AllocatorConf
 
 SMALL_SIZE = MIB  # kSmallSize: the largest request of the small pool
 SMALL_BUFFER = 2 * MIB  # kSmallBuffer: the small pool's segment

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..errors import YafsdpError
-from .alloc_conf import LARGE_BUFFER, MIB, AllocatorConf, parse_alloc_conf
+from ..options.alloc_conf import LARGE_BUFFER, MIB, AllocatorConf, parse_alloc_conf
 from .alloc_segments import Allocator, OutOfMemoryError
 
 

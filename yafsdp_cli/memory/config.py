@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..engine import dtypes
+from ..engine.choices import check_optimizer
 from ..engine.layout import Layout, round_up
-from ..errors import YafsdpError
+from ..options import MemoryOptions, StepOptions, check_at_least
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
@@ -30,14 +31,10 @@ class MemoryConfig:
     round_bytes: int = 512
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise YafsdpError(
-                f"--optimizer {self.optimizer!r} is not one of {'|'.join(OPTIMIZER_STATES)}"
-            )
+        check_optimizer(self.optimizer)
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
-        if self.round_bytes < 1:
-            raise YafsdpError(f"--round-bytes must be at least 1, got {self.round_bytes}")
+        check_at_least("round-bytes", self.round_bytes)
 
     def master_for(self, dtype: str) -> bool:
         if dtype == "float32" or not dtypes.is_floating(dtype):
@@ -60,6 +57,20 @@ class MemoryConfig:
     def rounded(self, nbytes: int) -> int:
         """One allocation of ``nbytes`` as the allocator hands it out (0 stays 0)."""
         return round_up(nbytes, self.round_bytes)
+
+
+def memory_config(
+    step: StepOptions, memory: MemoryOptions, *, optimizer: str | None = None, round_bytes=512
+) -> MemoryConfig:
+    """The memory model's configuration from the options' step and memory pieces;
+    ``optimizer`` and ``round_bytes`` stand in where the pieces leave them open
+    (``None``: a checkpoint's own optimizer, the device's rounding)."""
+    return MemoryConfig(
+        grad_dtype=step.grad_dtype,
+        optimizer=step.optimizer or optimizer or "adamw",
+        master_weights=memory.master_weights,
+        round_bytes=memory.round_bytes or round_bytes,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,9 @@ from itertools import accumulate
 from typing import Literal
 
 from ..engine import dtypes
+from ..engine.choices import PLACEMENTS, check_placement  # noqa: F401 - fsdp2's API
 from ..engine.layout import Layout
 from ..engine.units import ROOT
-from ..errors import YafsdpError
 from .config import (
     PARTS,
     MemoryBreakdown,
@@ -63,7 +63,6 @@ from .config import (
 )
 
 Placement = Literal["dim0", "auto"]
-PLACEMENTS = ("dim0", "auto")
 UNEVEN_PERCENT = 5  # a split this much above an even share is worth a warning
 
 
@@ -128,12 +127,6 @@ class Fsdp2Memory:
     fullest: MemoryBreakdown  # scheme "fsdp": the fullest rank, transients included
     ranks: tuple[RankGroup, ...]  # distinct groups in rank order
     uneven: UnevenSplit | None  # None: the dim-0 split is within UNEVEN_PERCENT of even
-
-
-def check_placement(placement: str) -> Placement:
-    if placement not in PLACEMENTS:
-        raise YafsdpError(f"--fsdp-placement {placement!r} is not one of {'|'.join(PLACEMENTS)}")
-    return placement  # type: ignore[return-value]
 
 
 def chunk_split(shape: Sequence[int], dim: int, world_size: int) -> Split:

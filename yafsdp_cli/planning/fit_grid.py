@@ -19,6 +19,7 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
+from ..memory.headroom import fits, needed_bytes
 from ..sources import load_source
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
@@ -48,9 +49,8 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
-    usable = opts.gpu_memory - opts.reserve
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
-    lines, checks = _measure(runner, opts, sizes, usable, lambda ws: memory(ws).total)
+    lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total)
     rows = [
         _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), opts)
         for ws in sizes
@@ -109,14 +109,19 @@ def _memory_model(loaded, opts: PlanOptions):
     return flat_bytes
 
 
-def _measure(runner: Runner, opts: PlanOptions, sizes, usable: int, total):
-    """Lines per (checkpointing, measured world size) and the linearity checks."""
+def _measure(runner: Runner, opts: PlanOptions, sizes, total):
+    """Lines per (checkpointing, measured world size) and the linearity checks;
+    ``total(ws)``: the persistent bytes per rank, which must fit before any step."""
+
+    def persistent_fits(ws: int) -> bool:
+        return fits(total(ws), opts.reserve, opts.gpu_memory)
+
     above_one = [ws for ws in sizes if ws > 1]
-    fitting = [ws for ws in above_one if total(ws) <= usable]
+    fitting = [ws for ws in above_one if persistent_fits(ws)]
     ref = min(fitting) if fitting else (max(above_one) if above_one else None)
     ref2 = max(above_one) if above_one and max(above_one) != ref else None
     regimes = [ref] if ref is not None else []
-    if 1 in sizes and (ref is None or total(1) <= usable):
+    if 1 in sizes and (ref is None or persistent_fits(1)):
         regimes.append(1)
     lines: dict[tuple[str, int], PhaseLine] = {}
     checks = []
@@ -166,10 +171,10 @@ def _row(ws, mb, ck, seq_len, m, line: PhaseLine, opts: PlanOptions) -> PlanRow:
         seq_len=seq_len,
         checkpointing=ck,
         peak_bytes=peak,
-        needed_bytes=peak + opts.reserve,
+        needed_bytes=needed_bytes(peak, opts.reserve),
         breakdown=breakdown,
         peak_phase=phase,
-        fits=peak + opts.reserve <= opts.gpu_memory,
+        fits=fits(peak, opts.reserve, opts.gpu_memory),
         measured=ws in line.world_sizes,
     )
 

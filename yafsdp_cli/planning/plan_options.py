@@ -1,54 +1,76 @@
-"""What ``plan`` is asked: its options, checked once, and the parsing of sizes and lists."""
+"""What ``plan`` is asked: its options (the layout, step and memory pieces and its
+grid), and the parsing of sizes and lists."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..engine import dtypes
-from ..engine.idioms import check_checkpointing
+from ..engine.choices import check_checkpointing
 from ..errors import YafsdpError
 from ..memory import MemoryConfig
-from ..profiling.precision import check_training_dtypes
+from ..memory.config import memory_config
+from ..options import (
+    DEFAULT_RESERVE,
+    Composed,
+    LayoutOptions,
+    MemoryOptions,
+    StepOptions,
+    check_at_least,
+)
 
-GiB = 1024**3
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too
-# CUDA context + NCCL, held outside PyTorch's allocator on every rank (see
-# docs/plan.md: the CUDA context of torch 2.x on an H100/H200 takes about 0.5 GiB,
-# NCCL's communicators and their buffers about 1 GiB more at these world sizes).
-DEFAULT_RESERVE = 2 * GiB
 ROUND_BYTES = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanOptions:
-    gpu_memory: int  # bytes per GPU
-    world_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to what is needed
+@dataclass(frozen=True, kw_only=True, slots=True, init=False)
+class PlanOptions(Composed):
+    """``gpu_memory`` (bytes per GPU) is required; ``world_sizes`` None: 1, 2, 4, ...
+    up to what is needed; ``seq_len`` None: the model's context length, else 2048;
+    ``target``: whose kernels the fake steps account (see profile --target)."""
+
+    FIELDS = (
+        "gpu_memory",
+        "world_sizes",
+        "micro_batches",
+        "checkpointing",
+        "seq_len",
+        "reserve",
+        "param_dtype",
+        "grad_dtype",
+        "optimizer",
+        "optimizer_impl",
+        "filters",
+        "excludes",
+        "units",
+        "align",
+        "round_bytes",
+        "target",
+        "jobs",
+        "seed",
+    )
+    DEFAULTS = {
+        "seq_len": None,
+        "param_dtype": "bfloat16",
+        "optimizer_impl": "foreach",  # torch's default for CUDA tensors
+        "target": "cuda",
+        "reserve": DEFAULT_RESERVE,
+        "round_bytes": ROUND_BYTES,
+    }
+
+    layout: LayoutOptions
+    step: StepOptions
+    memory: MemoryOptions
+    world_sizes: tuple[int, ...] | None = None
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    checkpointing: tuple[str, ...] = CHECKPOINTING
-    seq_len: int | None = None  # None: the model's context length, else 2048
-    reserve: int = DEFAULT_RESERVE
-    param_dtype: str | None = "bfloat16"
-    grad_dtype: str | None = None
-    optimizer: str = "adamw"
-    optimizer_impl: str = "foreach"  # torch's default for CUDA tensors
-    filters: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    units: tuple[str, ...] | None = None
-    align: str = "yafsdp"
-    round_bytes: int = ROUND_BYTES
-    target: str = "cuda"  # whose kernels the fake steps account (see profile --target)
+    checkpointing: tuple[str, ...] = CHECKPOINTING  # the grid's; the step piece's is unused
     jobs: int | None = None  # fake runs at once (processes); None: cores and memory allow
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.gpu_memory <= 0:
-            raise YafsdpError(f"--gpu-memory must be positive, got {self.gpu_memory} bytes")
-        if self.reserve < 0 or self.reserve >= self.gpu_memory:
-            raise YafsdpError(
-                f"--reserve {self.reserve} bytes must be at least 0 and below --gpu-memory "
-                f"({self.gpu_memory} bytes)"
-            )
+        if self.memory.gpu_memory is None:
+            raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
         for flag, values in (("world-size", self.world_sizes), ("micro-batch", self.micro_batches)):
             if values is not None and (not values or min(values) < 1):
                 raise YafsdpError(f"--{flag} needs numbers of at least 1, got {values}")
@@ -56,20 +78,13 @@ class PlanOptions:
             raise YafsdpError("--checkpointing needs at least one of none|reentrant|non-reentrant")
         for mode in self.checkpointing:
             check_checkpointing(mode)
-        if self.jobs is not None and self.jobs < 1:
-            raise YafsdpError(f"--jobs must be at least 1, got {self.jobs}")
-        if self.target not in ("cpu", "cuda"):
-            raise YafsdpError(f"--target {self.target!r} is not cpu or cuda")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise YafsdpError(f"--seq-len must be at least 1, got {self.seq_len}")
-        check_training_dtypes(self.param_dtype, self.grad_dtype)
-        if self.param_dtype is not None:
-            object.__setattr__(self, "param_dtype", dtypes.canonical(self.param_dtype))
+        check_at_least("jobs", self.jobs)
+        if self.step.param_dtype is not None:  # the report names it in full
+            step = dataclasses.replace(self.step, param_dtype=dtypes.canonical(self.param_dtype))
+            object.__setattr__(self, "step", step)
 
     def memory_config(self) -> MemoryConfig:
-        return MemoryConfig(
-            grad_dtype=self.grad_dtype, optimizer=self.optimizer, round_bytes=self.round_bytes
-        )
+        return memory_config(self.step, self.memory)
 
 
 _SIZE_UNITS = {

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.alloc_conf import AllocatorConf, parse_alloc_conf
 from ..memory.caching_allocator import AllocTrace, reserved_of
 from ..memory.outside_allocator import HOPPER, OutsideAllocator, outside_memory
+from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
 from .profile_options import ProfileOptions
 from .profile_report import ReservedPeak
 

@@ -21,13 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import dtypes
-from ..errors import YafsdpError
-
-
-def check_training_dtypes(param_dtype: str | None, grad_dtype: str | None) -> None:
-    for flag, name in (("--param-dtype", param_dtype), ("--grad-dtype", grad_dtype)):
-        if name is not None and not dtypes.is_floating(dtypes.canonical(name)):
-            raise YafsdpError(f"{flag} {name!r} is not a floating-point dtype")
+from ..options import check_training_dtypes  # noqa: F401 - precision's API
 
 
 def cast_params(module: nn.Module, param_dtype: str | None) -> None:

@@ -11,6 +11,8 @@ MARK = {True: "fits", False: "OOM"}
 def to_json(report: PlanReport) -> str:
     """One ``yafsdp.plan/1`` document: every field of the report, in bytes."""
     payload = plain(report)
+    # the options as the command line names them: what ``check`` rebuilds them from
+    payload["options"] = plain(report.options.flat()) if report.options else None
     payload["rows"] = [plain(r) for r in report.rows]
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
     return json_document(SCHEMA, payload)

@@ -42,6 +42,7 @@ from ..engine import dtypes
 from ..engine.layout import Layout
 from ..engine.train_step import output_tensor
 from ..memory.estimate import MemoryConfig, estimate_memory
+from ..memory.headroom import fits, process_sum
 
 ACTIVATION_FACTOR = 2
 TEMPORARY_FACTOR = 3
@@ -79,8 +80,7 @@ class PeakEstimate:
     @property
     def total(self) -> int:
         per_rank = self.models * self.resident_state + max(self.activations, 0)
-        per_rank += self.temporaries
-        return self.ranks * (per_rank + MARGIN_BYTES)
+        return process_sum(per_rank + self.temporaries, self.ranks, MARGIN_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ class Budget:
 
     @property
     def fits(self) -> bool:
-        return self.estimate.total <= self.available.bytes
+        return fits(self.estimate.total, 0, self.available.bytes)
 
 
 # -- what is available -------------------------------------------------------------

@@ -45,16 +45,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..engine.idioms import apply_checkpointing, check_checkpointing, compiled
+from ..engine.idioms import apply_checkpointing, compiled
 from ..engine.layout import Layout, round_up
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
-from ..engine.train_step import (
-    check_optimizer,
-    make_batch,
-)
+from ..engine.train_step import make_batch
 from ..errors import YafsdpError
 from ..memory.estimate import MemoryConfig, estimate_memory
+from ..options import Composed, LayoutOptions, StepOptions, check_at_least
 from .blocks import BlockChoice, blocked_source, build_with_blocks, parse_blocks
 from .budget import Budget
 from .compare import (  # noqa: F401 - the comparison is part of verify's API
@@ -70,43 +68,50 @@ from .compare import (  # noqa: F401 - the comparison is part of verify's API
 MEMORY_TOLERANCE_PERCENT = 1.0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class VerifyOptions:
+@dataclass(frozen=True, kw_only=True, slots=True, init=False)
+class VerifyOptions(Composed):
     """What to run; every field has the CLI's default."""
 
+    FIELDS = (
+        "steps",
+        "micro_batches",
+        "optimizer",
+        "filters",
+        "excludes",
+        "units",
+        "world_size",
+        "align",
+        "atol",
+        "rtol",
+        "batch",
+        "seq_len",
+        "input_shape",
+        "seed",
+        "device",
+        "top",
+        "checkpointing",
+        "compile",
+        "blocks",
+    )
+    DEFAULTS = {"optimizer_impl": "for-loop"}  # both sides step with foreach=False
+
+    layout: LayoutOptions
+    step: StepOptions
     steps: int = 3
     micro_batches: int = 2
-    optimizer: str = "adamw"
-    filters: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    units: tuple[str, ...] | None = None
-    world_size: int = 1
-    align: str = "yafsdp"
     atol: float | None = None
     rtol: float | None = None
-    batch: int = 2
-    seq_len: int = 16
-    input_shape: tuple[int, ...] | None = None
-    seed: int = 0
-    device: str = "cpu"
     top: int = 10  # worst tensors to report
-    checkpointing: str = "none"  # none | reentrant | non-reentrant, on both models
     compile: bool = False  # torch.compile both models
     blocks: str | None = None  # --blocks SPEC: build the model with these blocks only
 
     def __post_init__(self) -> None:
-        check_optimizer(self.optimizer)
-        check_checkpointing(self.checkpointing)
-        for name in ("steps", "micro_batches", "world_size", "batch", "seq_len"):
-            if getattr(self, name) < 1:
-                flag = name.replace("_", "-")
-                raise YafsdpError(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        check_at_least("steps", self.steps)
+        check_at_least("micro-batches", self.micro_batches)
         for name in ("atol", "rtol"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise YafsdpError(f"--{name} must be a finite number >= 0, got {value}")
-        if self.device not in ("cpu", "cuda"):
-            raise YafsdpError(f"--device {self.device!r} is not cpu or cuda")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,222 @@
+"""Every option the commands share, declared once, and what turns them into options.
+
+A command declares its parameters with these annotations (a command's own options
+stay in its module) and hands its values to ``options_from``, which builds the
+library's options model (``yafsdp_cli.options``) from them: the pieces validate.
+Defaults stay in each command's signature, since commands differ in them (plan's
+--param-dtype is bf16, check's options default to what its baseline recorded).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import YafsdpError
+from .command_kit import stdout
+
+FilterOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--filter",
+        help="Convert parameters matching EXPR (repeatable): linear, embedding, conv, norm, "
+        "type:Class, name:GLOB, re:REGEX, dtype:bf16, min-numel:N, all. "
+        "Default: every floating-point parameter.",
+        metavar="EXPR",
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude", help="Do not convert parameters matching EXPR (repeatable).", metavar="EXPR"
+    ),
+]
+UnitOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--unit",
+        help="Modules (fnmatch GLOB, outermost match wins) that get flat buffers of their own. "
+        "Default: the repeated blocks.",
+        metavar="GLOB",
+    ),
+]
+WorldSizeOpt = Annotated[
+    int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to shard for.")
+]
+AlignOpt = Annotated[
+    str,
+    typer.Option(
+        "--align", help="yafsdp | fsdp | megatron | none | BYTES: parameter starts and padding."
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Architecture factory package.module:callable (or path/file.py:callable); "
+        "SOURCE then gives its weights.",
+        metavar="MODULE:FACTORY",
+    ),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Allow loading a pickled nn.Module (this runs code from the file); its classes "
+        "are imported with the current directory on the import path, as --model's are.",
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")
+]
+ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+SourceArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Weights with an architecture: a Hugging Face folder, a pickled module "
+        "(--trust-pickle), or any weights file with --model. Optional with --model.",
+        show_default=False,
+    ),
+]
+FormatOpt = Annotated[str, typer.Option("--format", help="table | json | markdown.")]
+
+# the training step
+OptimizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--optimizer",
+        help="adamw | adam | sgd | none: the optimizer and its states (inspect's default: "
+        "a DCP checkpoint's own, else adamw).",
+    ),
+]
+OptimizerImplOpt = Annotated[
+    str,
+    typer.Option(
+        "--optimizer-impl",
+        help="auto | for-loop | foreach | fused (auto: torch's default for the device).",
+    ),
+]
+BatchOpt = Annotated[int, typer.Option("--batch", min=1, help="Batch size of each micro-batch.")]
+SeqLenOpt = Annotated[
+    int | None,
+    typer.Option("--seq-len", min=1, help="Tokens per sample (LMs; plan: the model's own)."),
+]
+InputShapeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--input-shape",
+        help="Shape of the model's input, e.g. 2,3,32,32 (default: from the model kind).",
+        metavar="D,D,...",
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the inputs and the loss.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda.")]
+TargetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help="cpu | cuda: whose kernels the figures are for (profile's default: the "
+        "device's). cuda without a GPU needs fake steps: CUDA's attention kernels are "
+        "accounted.",
+    ),
+]
+CheckpointingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--checkpointing",
+        help="none | reentrant | non-reentrant: activation checkpointing of every unit "
+        "(transformers models: their own, every layer).",
+    ),
+]
+ParamDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--param-dtype",
+        help="bf16 | fp16 | fp32: train in this dtype; 16-bit gets float32 master "
+        "weights and optimizer states (default: the weights' dtype).",
+        metavar="DTYPE",
+    ),
+]
+GradDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--grad-dtype",
+        help="Gradient dtype, e.g. fp32 (default: the parameter's).",
+        metavar="DTYPE",
+    ),
+]
+
+# the memory configuration
+GpuMemoryOpt = Annotated[
+    str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)
+]
+ReserveOpt = Annotated[
+    str, typer.Option("--reserve", help="Held outside PyTorch per GPU: CUDA context + NCCL.")
+]
+RoundBytesOpt = Annotated[
+    int,
+    typer.Option(
+        "--round-bytes",
+        help="Allocator rounding of every tensor, in bytes (512: CUDA; 1: exact storage "
+        "bytes, as on the CPU).",
+        metavar="BYTES",
+    ),
+]
+MasterWeightsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--master-weights/--no-master-weights",
+        help="float32 master copies of 16-bit parameters (default: on for 16-bit).",
+        show_default=False,
+    ),
+]
+FsdpPlacementOpt = Annotated[
+    str,
+    typer.Option(
+        "--fsdp-placement",
+        help="dim0 | auto: what the FSDP2 column models; dim0 is fully_shard's default, "
+        "auto uses Shard(1) where dim 0 splits unevenly and dim 1 evenly.",
+    ),
+]
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """``"2,3,32,32"`` (or ``2x3x32x32``) -> (2, 3, 32, 32)."""
+    if text is None:
+        return None
+    parts = text.replace("x", ",").split(",")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise YafsdpError(f"--input-shape {text!r} is not positive integers like 2,3,32,32")
+    return shape
+
+
+def options_from(cls, values: dict[str, Any], **parsed: Any):
+    """``cls`` (a ``yafsdp_cli.options.Composed``) from a command's parameter values:
+    those ``cls`` takes, Typer's lists as tuples, no --unit as the detected units,
+    ``--input-shape`` parsed; ``parsed`` (values the command parsed itself) win."""
+    given = {k: values[k] for k in cls.FIELDS if k in values}
+    for key in ("filters", "excludes"):
+        if key in given:
+            given[key] = tuple(given[key] or ())
+    if "units" in given:
+        given["units"] = tuple(given["units"]) if given["units"] else None
+    if "input_shape" in given:
+        given["input_shape"] = parse_shape(given["input_shape"])
+    return cls(**{**given, **parsed})
+
+
+def render(view, report, fmt: str, **options: Any) -> None:
+    """``report`` through its report module ``view``: JSON, markdown or Rich tables."""
+    if fmt == "json":
+        sys.stdout.write(view.to_json(report) + "\n")
+    elif fmt == "markdown":
+        sys.stdout.write(view.to_markdown(report, **options))
+    else:
+        for renderable in view.to_rich(report, **options):
+            stdout.print(renderable)

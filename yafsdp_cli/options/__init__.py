@@ -1,0 +1,40 @@
+"""The options model: what every command is asked, defined and validated once.
+
+Three pieces, each a frozen dataclass that checks its own ranges, choices and
+dtypes in ``__post_init__``:
+
+- ``LayoutOptions``: which parameters become flat buffers and how they are laid out
+  (filters, excludes, units, world size, alignment);
+- ``StepOptions``: the training step (optimizer and its implementation, batch,
+  sequence length, input shape, seed, device, kernels' target, activation
+  checkpointing, parameter and gradient dtypes);
+- ``MemoryOptions``: the memory configuration (GPU memory, reserve, allocator
+  rounding, master weights, FSDP2 placement): where a new memory-model input goes.
+
+A command's options (``ProfileOptions``, ``VerifyOptions``, ``PlanOptions``,
+``InspectOptions``) are ``Composed`` of these pieces plus the command's own fields.
+It imports the engine's torch-free choices only; every command room imports it.
+"""
+
+from __future__ import annotations
+
+from .composed import Composed, route
+from .pieces import (
+    DEFAULT_RESERVE,
+    LayoutOptions,
+    MemoryOptions,
+    StepOptions,
+    check_at_least,
+    check_training_dtypes,
+)
+
+__all__ = [
+    "DEFAULT_RESERVE",
+    "Composed",
+    "LayoutOptions",
+    "MemoryOptions",
+    "StepOptions",
+    "check_at_least",
+    "check_training_dtypes",
+    "route",
+]

@@ -1,0 +1,118 @@
+"""The three pieces every command's options are made of, each validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import dtypes
+from ..engine.choices import check_checkpointing, check_device, check_optimizer, check_placement
+from ..errors import YafsdpError
+from .alloc_conf import parse_alloc_conf
+
+GiB = 1024**3
+# CUDA context + NCCL, held outside PyTorch's allocator on every rank (see
+# docs/plan.md: the CUDA context of torch 2.x on an H100/H200 takes about 0.5 GiB,
+# NCCL's communicators and their buffers about 1 GiB more at these world sizes).
+DEFAULT_RESERVE = 2 * GiB
+
+
+def check_at_least(flag: str, value: int | None, minimum: int = 1) -> None:
+    """``--flag`` is ``None`` (the default choice) or at least ``minimum``."""
+    if value is not None and value < minimum:
+        bound = "at least 1" if minimum == 1 else f"{minimum} or more"
+        raise YafsdpError(f"--{flag} must be {bound}, got {value}")
+
+
+def check_training_dtypes(param_dtype: str | None, grad_dtype: str | None) -> None:
+    for flag, name in (("--param-dtype", param_dtype), ("--grad-dtype", grad_dtype)):
+        if name is not None and not dtypes.is_floating(dtypes.canonical(name)):
+            raise YafsdpError(f"{flag} {name!r} is not a floating-point dtype")
+
+
+def _tuple(values) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutOptions:
+    """Which parameters become flat buffers, grouped how, aligned how, sharded how far."""
+
+    filters: tuple[str, ...] = ()  # --filter: empty converts every floating parameter
+    excludes: tuple[str, ...] = ()  # --exclude
+    units: tuple[str, ...] | None = None  # --unit globs; None or empty: the repeated blocks
+    world_size: int = 1  # ranks the buffers are sharded for
+    align: str = "yafsdp"  # yafsdp | fsdp | megatron | none | BYTES
+
+    def __post_init__(self) -> None:
+        # lists from a JSON document or a Typer option hash and compare as tuples
+        object.__setattr__(self, "filters", tuple(self.filters))
+        object.__setattr__(self, "excludes", tuple(self.excludes))
+        object.__setattr__(self, "units", _tuple(self.units))
+        check_at_least("world-size", self.world_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOptions:
+    """One training step: its optimizer, its inputs, where it runs, in which dtypes."""
+
+    optimizer: str | None = "adamw"  # adamw | adam | sgd | none; None: a checkpoint's own
+    optimizer_impl: str = "auto"  # auto | for-loop | foreach | fused
+    batch: int = 2  # samples per micro-batch
+    seq_len: int | None = 16  # tokens per sample; None: the model's context length
+    input_shape: tuple[int, ...] | None = None  # None: from the model kind
+    seed: int = 0  # of the inputs and the loss
+    device: str = "cpu"  # cpu | cuda: where the step runs
+    target: str | None = None  # cpu | cuda: whose kernels are accounted; None: the device's
+    checkpointing: str = "none"  # none | reentrant | non-reentrant, per unit
+    param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
+    grad_dtype: str | None = None  # None: the parameter's dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_shape", _tuple(self.input_shape))
+        check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
+        check_at_least("batch", self.batch)
+        check_at_least("seq-len", self.seq_len)
+        if self.input_shape is not None and (not self.input_shape or min(self.input_shape) < 1):
+            raise YafsdpError(f"--input-shape {self.input_shape} is not positive integers")
+        check_device("--device", self.device)
+        if self.target is not None:
+            check_device("--target", self.target)
+        check_checkpointing(self.checkpointing)
+        check_training_dtypes(self.param_dtype, self.grad_dtype)
+
+    @property
+    def kernels(self) -> str:
+        """The device whose kernels the figures are for."""
+        return self.target or self.device
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOptions:
+    """What the memory model and the fit test take beyond the layout and the step: the
+    GPU, what is held outside PyTorch's allocator, and how the allocator counts.
+
+    A new input of the memory model (an allocator configuration, a safety margin,
+    overheads per part) is a field here, checked in ``__post_init__``; every command
+    whose options hold this piece then carries it, and ``memory.config.memory_config``
+    hands the piece to the memory model."""
+
+    gpu_memory: int | None = None  # bytes per GPU; None: no GPU to fit (inspect, profile)
+    reserve: int = DEFAULT_RESERVE  # bytes held outside PyTorch per GPU: CUDA context + NCCL
+    round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
+    master_weights: bool | None = None  # float32 masters; None: on for 16-bit parameters
+    fsdp_placement: str = "dim0"  # what the FSDP2 column models: dim0 | auto
+    alloc_conf: str | None = None  # the allocator replay's settings; None: PYTORCH_CUDA_ALLOC_CONF
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory is not None:
+            if self.gpu_memory <= 0:
+                raise YafsdpError(f"--gpu-memory must be positive, got {self.gpu_memory} bytes")
+            if self.reserve < 0 or self.reserve >= self.gpu_memory:
+                raise YafsdpError(
+                    f"--reserve {self.reserve} bytes must be at least 0 and below --gpu-memory "
+                    f"({self.gpu_memory} bytes)"
+                )
+        check_at_least("round-bytes", self.round_bytes)
+        check_placement(self.fsdp_placement)
+        if self.alloc_conf is not None:
+            parse_alloc_conf(self.alloc_conf)  # a bad setting fails before any step runs
