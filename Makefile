@@ -35,8 +35,10 @@ demo: install
 	$(BIN)/yafsdp check --model sample_models.models:llama --baseline $(DEMO)/llama.mem.json --update -n 8 --seq-len 64
 	$(BIN)/yafsdp check --baseline $(DEMO)/llama.mem.json
 
+# One worker per core; --dist loadfile keeps a file's tests on one worker, so a
+# file's session fixtures (the docs workspace, the forkserver of ranks) are built once.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .
