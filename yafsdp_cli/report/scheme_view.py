@@ -15,13 +15,13 @@ def payload(report: PlanReport) -> list[dict]:
 
 def side_by_side(report: PlanReport) -> Section:
     schemes = report.schemes
+    several = len(report.checkpointing) > 1  # else every cell has the one choice
     rows: list[tuple[str, ...]] = []
     for i, mb in enumerate(report.micro_batches):
         label = f"fewest GPUs, micro-batch {mb}"
-        rows.append((label, *(_smallest(s.smallest[i]) for s in schemes)))
-    rows.append(("best configuration", *(_where(s.best) for s in schemes)))
+        rows.append((label, *(_smallest(s.smallest[i], several) for s in schemes)))
+    rows.append(("best configuration", *(_where(s.best, several) for s in schemes)))
     rows.append(("peak at best", *(_peak(s.best) for s in schemes)))
-    rows.append(("settings", *(_settings(s) for s in schemes)))
     rows.append(("flat saves at the peak", *(_saves(s) for s in schemes)))
     return Section(
         title="Schemes side by side: peak per rank of one training step",
@@ -32,16 +32,22 @@ def side_by_side(report: PlanReport) -> Section:
     )
 
 
-def _smallest(s) -> str:
+def settings_lines(report: PlanReport) -> list[str]:
+    """What each scheme's rows assume, one line each."""
+    return [f"{s.scheme}: {_settings(s)}" for s in report.schemes]
+
+
+def _smallest(s, several: bool) -> str:
     if s.world_size is None:
         return "none fits"
-    return f"{s.world_size} ({s.checkpointing})"
+    return f"{s.world_size} ({s.checkpointing})" if several else str(s.world_size)
 
 
-def _where(row) -> str:
+def _where(row, several: bool) -> str:
     if row is None:
         return "nothing fits"
-    return f"{row.world_size} GPUs, micro-batch {row.micro_batch}, {row.checkpointing}"
+    where = f"{row.world_size} x micro-batch {row.micro_batch}"
+    return f"{where}, {row.checkpointing}" if several else where
 
 
 def _peak(row) -> str:
@@ -54,13 +60,14 @@ def _settings(s) -> str:
     if s.no_reshard_peak_bytes is None:
         return s.configuration
     verdict = "fits" if s.no_reshard_fits else "OOM"
-    return f"{s.configuration}; False at best: {human_bytes(s.no_reshard_peak_bytes)} {verdict}"
+    return (
+        f"{s.configuration} (with False, every unit kept gathered, the best configuration "
+        f"peaks at {human_bytes(s.no_reshard_peak_bytes)}: {verdict})"
+    )
 
 
 def _saves(s) -> str:
-    if s.flat_saves_bytes is None or s.compared_at is None:
-        return "-"
-    if s.scheme == "flat":
+    if s.scheme == "flat" or s.flat_saves_bytes is None:
         return "-"
     return f"{human_bytes(s.flat_saves_bytes)} ({s.flat_saves_percent:.1f}%)"
 
@@ -70,7 +77,8 @@ def _caption(report: PlanReport) -> str:
         "peak = the scheme's persistent bytes per rank + its gathered parameters and "
         "gradient buffers + the step's activations and temporaries (fake runs); flat saves: "
         "the scheme's peak minus the flat scheme's at the scheme's best configuration "
-        "(the flat scheme's best where nothing of the scheme fits); fits: peak + "
+        "(the flat scheme's best where nothing of the scheme fits; negative: the flat "
+        "scheme needs more); fits: peak + "
         f"{human_bytes(report.reserve_bytes)} reserve <= {human_bytes(report.gpu_memory_bytes)}"
     )
 
@@ -79,20 +87,34 @@ def to_markdown(report: PlanReport) -> list[str]:
     if not report.schemes:
         return []
     s = side_by_side(report)
-    return [f"**{s.title}**", "", markdown_table(s.headers, s.rows), "", s.caption, ""]
+    settings = [f"- {line}" for line in settings_lines(report)]
+    return [
+        f"**{s.title}**",
+        "",
+        markdown_table(s.headers, s.rows),
+        "",
+        s.caption,
+        "",
+        *settings,
+        "",
+    ]
 
 
 def to_rich(report: PlanReport) -> list:
     if not report.schemes:
         return []
+    from rich.text import Text
+
     from .formatting import section_table
 
-    return [section_table(side_by_side(report), fold_names=False)]
+    table = section_table(side_by_side(report), fold_names=False)
+    return [table, *(Text(f"  {line}") for line in settings_lines(report))]
 
 
 def to_html(report: PlanReport) -> str:
     if not report.schemes:
         return ""
-    from .html_base import section_html
+    from .html_base import notes_html, section_html
 
-    return section_html(side_by_side(report))
+    settings = notes_html("scheme settings", settings_lines(report))
+    return section_html(side_by_side(report)) + settings
