@@ -105,10 +105,17 @@ def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
     norms = 3 * 512 * 2
     large = (4 * 512 * 512 + 6 * 512 * 512) * 2
     assert z3.params == norms + large // ws
-    # gathered: the largest unit and as much of the next as the prefetch bucket allows
-    unit = 2 * 512 * 512 + 512
-    assert z3.gather == (4 * 512 * 512 + min(4 * 512 * 512, zero.prefetch_bucket_size)) * 2
-    assert unit < 4 * 512 * 512  # the root (embedding) is the largest unit here
+    # gathered: a model below max_reuse_distance stays gathered whole into backward
+    every = 4 * 512 * 512 + 3 * (2 * 512 * 512 + 512)
+    assert z3.gather == every * 2 < zero.max_reuse_distance
+    # above it: the largest unit and as much of the next as the prefetch bucket allows,
+    # or the last max_reuse_distance elements, whichever is more
+    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    cfg = MemoryConfig(round_bytes=1)
+    for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
+        small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)
+        got = scheme_memory("zero3", layout, cfg, SchemeSettings(zero=small)).gather
+        assert got == live * 2, distance
 
 
 def test_zero_settings_are_deepspeeds_defaults():
@@ -120,6 +127,7 @@ def test_zero_settings_are_deepspeeds_defaults():
     assert ours.prefetch_bucket_size == ds.prefetch_bucket_size
     assert ours.param_persistence_threshold == ds.param_persistence_threshold
     assert ours.max_live_parameters == ds.max_live_parameters
+    assert ours.max_reuse_distance == ds.max_reuse_distance
 
 
 def test_fsdp2_kept_gathered_holds_every_unit():

@@ -26,7 +26,8 @@ Nothing communicates at world size 1, so no scheme has transients there.
   (``DeepSpeedZeroConfig`` of deepspeed 0.19: ``reduce_bucket_size`` 5e8 and
   ``allgather_bucket_size`` 5e8 elements, ``contiguous_gradients`` on,
   ``overlap_comm`` on for stage 3 only, ``stage3_prefetch_bucket_size`` 5e7,
-  ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` 1e9).
+  ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` 1e9,
+  ``stage3_max_reuse_distance`` 1e9).
   Optimizer states and float32 masters are partitioned in every stage. ZeRO-1
   keeps whole parameters and gradients; ZeRO-2 whole parameters and a
   ``1/world_size`` gradient partition; ZeRO-3 partitions parameters too, except
@@ -34,8 +35,11 @@ Nothing communicates at world size 1, so no scheme has transients there.
   whole. With contiguous gradients every stage copies gradients into an
   "ipg" bucket of ``reduce_bucket_size`` elements in the gradient dtype, allocated
   whole (not capped by the model's size) and kept. ZeRO-3 gathers the unit that
-  computes and prefetches up to ``prefetch_bucket_size`` elements of the next,
-  never more than ``max_live_parameters`` at once.
+  computes and prefetches up to ``prefetch_bucket_size`` elements of the next; a
+  parameter the step reuses within ``max_reuse_distance`` elements is not released,
+  so at the turn from forward to backward the last ``max_reuse_distance`` elements
+  stay gathered (a whole model smaller than that); never more than
+  ``max_live_parameters`` at once.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class ZeroConfig:
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,7 +182,11 @@ def _zero3(layout, cfg, zero: ZeroConfig, report, tensors) -> MemoryBreakdown:
         units[b.unit] = units.get(b.unit, 0) + b.numel
         itemsize = max(itemsize, dtypes.itemsize(b.dtype))
     largest = max(units.values(), default=0)
-    live = min(largest + min(zero.prefetch_bucket_size, largest), zero.max_live_parameters)
+    computing = min(largest + min(zero.prefetch_bucket_size, largest), zero.max_live_parameters)
+    # at the turn from forward to backward, what the backward reuses within
+    # max_reuse_distance elements is not released (all of a small model)
+    kept = min(sum(units.values()), zero.max_reuse_distance, zero.max_live_parameters)
+    live = max(computing, kept)
     return dataclasses.replace(
         base, params=params, gather=live * itemsize, reduce=ipg_bucket(tensors, cfg, zero)
     )

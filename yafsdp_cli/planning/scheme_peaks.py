@@ -161,7 +161,8 @@ SETTINGS = {  # what each scheme's rows assume, in its own terms
     "ddp": "bucket_cap_mb=25, gradient_as_bucket_view=False",
     "zero1": "reduce_bucket_size=5e8, contiguous_gradients",
     "zero2": "reduce_bucket_size=5e8, contiguous_gradients",
-    "zero3": "prefetch 5e7, max live 1e9, persistence 1e5, reduce_bucket_size=5e8",
+    "zero3": "prefetch 5e7, max live 1e9, reuse distance 1e9, persistence 1e5, "
+    "reduce_bucket_size=5e8",
 }
 
 
