@@ -56,7 +56,7 @@ def _memory(scheme: str, ws: int, settings=None, cfg=None):
 def test_scheme_names_parse_in_one_order_and_unknown_ones_are_errors():
     assert check_schemes("all") == SCHEMES
     assert check_schemes("zero3, flat") == ("flat", "zero3")
-    assert check_schemes(("ddp", "fsdp2")) == ("fsdp2", "ddp")
+    assert check_schemes(("ddp", "fsdp2")) == ("flat", "fsdp2", "ddp")
     with pytest.raises(YafsdpError, match=r"--scheme 'zero4': unknown scheme zero4; give"):
         check_schemes("zero4")
     with pytest.raises(YafsdpError, match="unknown scheme"):
@@ -203,10 +203,11 @@ def test_plan_scheme_markdown_table_and_html(tmp_path):
     assert "fewest GPUs, micro-batch 2" in result.stdout
     assert "flat saves at the peak" in result.stdout
     page = tmp_path / "plan.html"
-    result = _plan("--scheme", "ddp,flat", "--html", str(page))
+    result = _plan("--scheme", "ddp", "--html", str(page))
     assert result.exit_code == 0, result.output
     text = page.read_text()
     assert "Schemes side by side" in text and '<th class="r">ddp</th>' in text
+    assert '<th class="r">flat</th>' in text  # the flat column is always there
     assert "Schemes side by side" in result.stdout
 
 

@@ -85,8 +85,8 @@ class SchemeSettings:
 
 
 def check_schemes(given: str | Sequence[str]) -> tuple[str, ...]:
-    """``"flat,fsdp2"``, ``("zero3", "flat")`` or ``"all"`` -> the schemes in
-    ``SCHEMES`` order; an unknown name raises."""
+    """``"fsdp2"``, ``("zero3", "flat")`` or ``"all"`` -> the schemes in ``SCHEMES``
+    order, ``flat`` always among them; an unknown name raises."""
     parts = given.split(",") if isinstance(given, str) else given
     names = [s.strip().lower() for s in parts if s.strip()]
     text = ",".join(names)
@@ -98,7 +98,8 @@ def check_schemes(given: str | Sequence[str]) -> tuple[str, ...]:
             f"--scheme {text!r}: unknown scheme {', '.join(bad) or '(none)'}; "
             f"give a comma list of {', '.join(SCHEMES)}, or all"
         )
-    return tuple(s for s in SCHEMES if s in names)
+    # the flat scheme is the plan's own grid, and the others are compared against it
+    return tuple(s for s in SCHEMES if s in names or s == "flat")
 
 
 def scheme_memory(
