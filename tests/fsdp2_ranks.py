@@ -178,8 +178,10 @@ def worker(rank: int, world: int, tmp: str, jobs: list[Job]) -> None:
         dist.destroy_process_group()
 
 
-def launch(world: int, jobs: list[Job], tmp: Path) -> list[list[Held]]:
-    """Every job on ``world`` ranks, in one launch: ``[rank][job]``."""
+def launch(world: int, jobs: list, tmp: Path, rank_main=worker) -> list[list]:
+    """Every job on ``world`` ranks, in one launch: ``[rank][job]``. ``rank_main``
+    (a module-level function taking ``(rank, world, tmp, jobs)`` and writing
+    ``rank{rank}.pkl``) runs on each rank; ``worker`` by default."""
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -187,6 +189,6 @@ def launch(world: int, jobs: list[Job], tmp: Path) -> list[list[Held]]:
     multiprocessing.set_forkserver_preload([__name__])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(
-        worker, args=(world, str(tmp), jobs), nprocs=world, join=True, start_method="forkserver"
+        rank_main, args=(world, str(tmp), jobs), nprocs=world, join=True, start_method="forkserver"
     )
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(world)]

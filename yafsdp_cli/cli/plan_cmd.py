@@ -57,6 +57,14 @@ def plan_command(
             metavar="MODE,MODE,...",
         ),
     ] = "none,non-reentrant",
+    scheme: Annotated[
+        str,
+        typer.Option(
+            "--scheme",
+            help="Schemes to plan side by side: flat, fsdp2, zero1, zero2, zero3, ddp, or all.",
+            metavar="NAME,NAME,...|all",
+        ),
+    ] = "flat",
     target: TargetOpt = "cuda",
     jobs: Annotated[
         int | None,
@@ -93,6 +101,7 @@ def plan_command(
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
         from ..errors import YafsdpError
+        from ..memory.step_schemes import check_schemes
         from ..planning import PlanOptions, parse_ints, parse_size, plan_source
         from ..report import plan_view as view
 
@@ -106,6 +115,7 @@ def plan_command(
             micro_batches=parse_ints(micro_batch, "--micro-batch"),
             checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
             reserve=parse_size(reserve, "--reserve"),
+            schemes=check_schemes(scheme),
         )
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)

@@ -3,7 +3,9 @@
 Owns the bytes of parameters, gradients, optimizer states and communication
 buffers per rank for DDP, ZeRO-2/3 and the flat layout (``estimate``), and FSDP2's
 per-parameter placement rank by rank (``fsdp2``), computed from a ``Layout`` and
-a ``MemoryConfig`` (``config``) with no torch; and what PyTorch's CUDA caching
+a ``MemoryConfig`` (``config``) with no torch; what each training scheme (flat,
+FSDP2, ZeRO-1/2/3, DDP) holds through a step besides activations, its gathered
+parameters and gradient buffers included (``step_schemes``); and what PyTorch's CUDA caching
 allocator reserves for a step's allocation trace (``caching_allocator``, its
 settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``), and what a
 GPU holds beside it (``outside_allocator``: the CUDA context, cuBLAS workspaces,

@@ -6,7 +6,8 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``), the fake runs and the lines fitted through them
-(``measure``) and the processes that run them at once (``pool``). It may import
+(``measure``), the processes that run them at once (``pool``) and the other
+training schemes' peaks over the same grid (``scheme_peaks``, ``plan --scheme``). It may import
 ``profiling``, ``verify`` (the memory this process may use), ``inspect``,
 ``memory``, ``sources``, ``engine`` and ``errors``.
 

@@ -25,6 +25,7 @@ from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
+from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
@@ -60,6 +61,9 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
+    if opts.schemes != ("flat",):
+        schemes = compare_schemes(loaded, opts, runner, lines, _line_for)
+        report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
     return dataclasses.replace(report, notes=(*dropped, *report.notes))
 
 

@@ -11,6 +11,7 @@ from ..engine.choices import check_checkpointing
 from ..errors import YafsdpError
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
+from ..memory.step_schemes import check_schemes
 from ..options import (
     DEFAULT_RESERVE,
     Composed,
@@ -50,6 +51,7 @@ class PlanOptions(Composed):
         "target",
         "jobs",
         "seed",
+        "schemes",
     )
     DEFAULTS = {
         "seq_len": None,
@@ -67,6 +69,7 @@ class PlanOptions(Composed):
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     checkpointing: tuple[str, ...] = CHECKPOINTING  # the grid's; the step piece's is unused
     jobs: int | None = None  # fake runs at once (processes); None: cores and memory allow
+    schemes: tuple[str, ...] = ("flat",)  # memory.step_schemes.SCHEMES to compare
 
     def __post_init__(self) -> None:
         if self.memory.gpu_memory is None:
@@ -79,6 +82,7 @@ class PlanOptions(Composed):
         for mode in self.checkpointing:
             check_checkpointing(mode)
         check_at_least("jobs", self.jobs)
+        object.__setattr__(self, "schemes", check_schemes(self.schemes))
         if self.step.param_dtype is not None:  # the report names it in full
             step = dataclasses.replace(self.step, param_dtype=dtypes.canonical(self.param_dtype))
             object.__setattr__(self, "step", step)

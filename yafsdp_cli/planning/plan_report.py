@@ -85,3 +85,4 @@ class PlanReport:
     source_path: str | None = None  # what was given, so `check` can plan it again
     model: str | None = None
     options: PlanOptions | None = None
+    schemes: tuple = ()  # scheme_peaks.SchemePlan per --scheme; () for the flat scheme alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..planning import SCHEMA, PlanReport, PlanRow
+from . import scheme_view
 from .formatting import human_bytes, json_document, markdown_table, plain
 
 MARK = {True: "fits", False: "OOM"}
@@ -15,6 +16,7 @@ def to_json(report: PlanReport) -> str:
     payload["options"] = plain(report.options.flat()) if report.options else None
     payload["rows"] = [plain(r) for r in report.rows]
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
+    payload["schemes"] = scheme_view.payload(report)
     return json_document(SCHEMA, payload)
 
 
@@ -82,6 +84,7 @@ def to_markdown(report: PlanReport) -> str:
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         parts += [f"**checkpointing {ck}**", "", markdown_table(headers, body), ""]
+    parts += scheme_view.to_markdown(report)
     parts += [*(f"- {line}" for line in summary_lines(report))]
     parts += ["", *(f"- {n}" for n in report.notes), ""]
     return "\n".join(parts)
@@ -103,7 +106,7 @@ def to_rich(report: PlanReport) -> list:
             table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
         tables.append(table)
     notes = [*summary_lines(report), *report.notes]
-    return [*tables, *(Text(f"  {n}") for n in notes)]
+    return [*tables, *scheme_view.to_rich(report), *(Text(f"  {n}") for n in notes)]
 
 
 def _style(cell: str) -> str:
@@ -116,5 +119,5 @@ def plan_page(report: PlanReport) -> str:
 
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
-    body = plan_heatmap(heatmap_data(report))
+    body = plan_heatmap(heatmap_data(report)) + scheme_view.to_html(report)
     return page(title, subtitle, (("plan", "will it fit"),), body)

@@ -1,0 +1,147 @@
+"""The rank side of the scheme truth harness (``test_plan_scheme_truth.py``).
+
+Each rank trains a tiny transformers model for three steps under a real engine over
+gloo, ``fully_shard`` (every decoder block, then the root) or
+``DistributedDataParallel``, with foreach AdamW, and measures the third with
+the profiler's ``StorageTracker``: every storage the step's ops make, when it is
+freed, and ``resize_`` (FSDP2 frees and refills its unsharded parameters that way).
+Two warm-up steps come first: the first creates the optimizer states (the plan's
+fake step warms its optimizer up too), and in the second forward DDP rebuilds its
+buckets in the order gradients became ready. What exists before the measured step
+(shards or whole parameters, optimizer states, DDP's buckets) is registered first,
+so the peak counts everything the rank holds.
+
+Launched by ``fsdp2_ranks.launch`` (ranks forked from a forkserver that has imported
+torch and transformers once).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.fsdp2_ranks import blocks, build
+from yafsdp_cli.profiling.tracker import StorageTracker, op_tensors
+
+
+@dataclass(frozen=True)
+class StepJob:
+    scheme: str  # "fsdp2" or "ddp"
+    model: str  # a key of fsdp2_ranks.CONFIGS
+    batch: int
+    seq_len: int
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    peak: int  # bytes alive at the step's highest moment
+    phase: str
+    phase_peaks: dict
+
+
+class LocalStorages(StorageTracker):
+    """The tracker, seeing a DTensor's local storage: FSDP2's sharded parameters and
+    the optimizer's states of them are DTensors, whose wrapper has no storage."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in op_tensors(out if isinstance(out, (list, tuple)) else (out,)):
+            self._see(_local(t).untyped_storage())
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _wrap(model: torch.nn.Module, job: StepJob) -> torch.nn.Module:
+    if job.scheme == "fsdp2":
+        for block in blocks(model):
+            fully_shard(block, reshard_after_forward=job.reshard_after_forward)
+        fully_shard(model, reshard_after_forward=job.reshard_after_forward)
+        return model
+    return DistributedDataParallel(model)  # bucket_cap_mb=25, gradient_as_bucket_view=False
+
+
+def _keeping_buckets(kept: list):
+    """DDP's own allreduce, as a comm hook that also keeps each bucket's tensor: the
+    reducer makes them in C++, out of the tracker's sight, and this is where they
+    can be seen."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        kept.append(bucket.buffer())
+        return allreduce_hook(None, bucket)
+
+    return hook
+
+
+def run_step(job: StepJob) -> StepPeak:
+    torch.manual_seed(0)
+    model = build(job.model)
+    wrapped = _wrap(model, job)
+    buckets: list[torch.Tensor] = []
+    if job.scheme == "ddp":
+        wrapped.register_comm_hook(None, _keeping_buckets(buckets))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (job.batch, job.seq_len), generator=gen)
+    for _ in range(2):  # warm-up: optimizer states; DDP rebuilds its buckets in the 2nd
+        buckets.clear()
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tracker = LocalStorages(1)
+    tracker.assign(list(buckets), "gradients")
+    buckets.clear()
+    params = [_local(p) for p in model.parameters()]
+    tracker.assign(params, "parameters")
+    states = [_local(v) for s in opt.state.values() for k, v in s.items() if k != "step"]
+    tracker.assign(states, "optimizer")
+    tracker.assign([ids], "activations")
+    with tracker:
+        tracker.set_phase("forward")
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        tracker.set_phase("backward")
+        loss.backward()
+        del loss
+        tracker.assign(
+            [_local(p.grad) for p in model.parameters() if p.grad is not None], "gradients"
+        )
+        tracker.set_phase("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    timeline = tracker.replay()
+    return StepPeak(timeline.peak.total, timeline.peak_phase, dict(timeline.phase_peaks))
+
+
+def rank_main(rank: int, world: int, tmp: str, jobs: list[StepJob]) -> None:
+    torch.set_num_threads(1)
+    tf.logging.set_verbosity_error()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=3),
+    )
+    try:
+        peaks = [run_step(job) for job in jobs]
+        part = Path(tmp) / f"rank{rank}.part"
+        part.write_bytes(pickle.dumps(peaks))
+        part.rename(Path(tmp) / f"rank{rank}.pkl")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

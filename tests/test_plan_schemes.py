@@ -1,0 +1,217 @@
+"""``plan --scheme``: each scheme's formula, the side-by-side output, its errors.
+
+The fsdp2 and ddp rows against the real engines: ``test_plan_scheme_truth.py``.
+DeepSpeed's ZeRO does not run here (its CPU start builds a C++ op), so the zero
+rows are checked against its documented settings and the allocations its source
+makes (``memory.step_schemes``' note).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from yafsdp_cli import ModelSpec, TensorRecord, plan
+from yafsdp_cli.cli import app
+from yafsdp_cli.errors import YafsdpError
+from yafsdp_cli.memory import MemoryConfig, estimate_memory
+from yafsdp_cli.memory.config import tensors_of_layout, whole_bytes
+from yafsdp_cli.memory.step_schemes import (
+    DDP_BUCKET_CAP,
+    DDP_FIRST_BUCKET,
+    SCHEMES,
+    SchemeSettings,
+    ZeroConfig,
+    check_schemes,
+    ddp_buckets,
+    scheme_memory,
+)
+
+runner = CliRunner()
+SCHEMA = json.loads(resources.files("yafsdp_cli").joinpath("schemas/plan.schema.json").read_text())
+MIB = 2**20
+
+
+def _spec(blocks: int = 3, hidden: int = 512) -> ModelSpec:
+    """Blocks of two (hidden, hidden) weights and a small norm, a root embedding."""
+    tensors = [TensorRecord("embed.weight", (4 * hidden, hidden), "bfloat16")]
+    for i in range(blocks):
+        for name in ("a", "b"):
+            tensors.append(TensorRecord(f"layers.{i}.{name}.weight", (hidden, hidden), "bfloat16"))
+        tensors.append(TensorRecord(f"layers.{i}.norm.weight", (hidden,), "bfloat16"))
+    units = tuple(f"layers.{i}" for i in range(blocks))
+    modules = ("embed", "layers", *units)
+    return ModelSpec(tuple(tensors), has_architecture=False, units=units, module_names=modules)
+
+
+def _memory(scheme: str, ws: int, settings=None, cfg=None):
+    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    return scheme_memory(scheme, layout, cfg or MemoryConfig(round_bytes=1), settings)
+
+
+def test_scheme_names_parse_in_one_order_and_unknown_ones_are_errors():
+    assert check_schemes("all") == SCHEMES
+    assert check_schemes("zero3, flat") == ("flat", "zero3")
+    assert check_schemes(("ddp", "fsdp2")) == ("flat", "fsdp2", "ddp")
+    with pytest.raises(YafsdpError, match=r"--scheme 'zero4': unknown scheme zero4; give"):
+        check_schemes("zero4")
+    with pytest.raises(YafsdpError, match="unknown scheme"):
+        check_schemes(",")
+
+
+def test_nothing_communicates_at_world_size_1():
+    for scheme in SCHEMES:
+        m = _memory(scheme, 1)
+        assert (m.gather, m.reduce) == (0, 0), scheme
+        assert m.persistent == _memory("ddp", 1).persistent, scheme
+
+
+def test_ddp_buckets_are_a_second_copy_of_every_gradient():
+    layout = plan(_spec(), world_size=2, units=("layers.*",))
+    cfg = MemoryConfig(round_bytes=1)
+    converted, kept, _ = tensors_of_layout(layout)
+    grads = whole_bytes(converted + kept, cfg)["grads"]
+    ddp = _memory("ddp", 2)
+    assert ddp.reduce == grads and ddp.total == estimate_memory(layout, cfg).baseline.total + grads
+    assert _memory("ddp", 2, SchemeSettings(ddp_bucket_view=True)).reduce == 0
+    # per bucket, one rounded allocation: 1 MiB first, then 25 MiB
+    from yafsdp_cli.memory.config import TensorSize
+
+    tensors = [TensorSize(MIB // 2, "float32", True) for _ in range(30)]  # 2 MiB each
+    rounded = MemoryConfig(round_bytes=3 * MIB)
+    buckets = ddp_buckets(tensors, rounded)
+    assert buckets % (3 * MIB) == 0
+    sizes = [2 * MIB, *([26 * MIB] * 2), 6 * MIB]  # 2 >= 1 MiB, then 13 tensors each
+    assert sum(sizes) == 60 * MIB and DDP_FIRST_BUCKET < 2 * MIB < DDP_BUCKET_CAP
+    assert buckets == sum(-(-s // (3 * MIB)) * 3 * MIB for s in sizes)
+
+
+def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
+    zero = ZeroConfig()
+    ws = 4
+    z1, z2, z3 = (_memory(s, ws) for s in ("zero1", "zero2", "zero3"))
+    ddp = _memory("ddp", ws)
+    # the contiguous-gradient bucket: reduce_bucket_size elements of bfloat16, whole
+    for m in (z1, z2, z3):
+        assert m.reduce == zero.reduce_bucket_size * 2
+    assert z1.params == z2.params == ddp.params  # parameters whole in stages 1 and 2
+    assert z1.grads == ddp.grads and z2.grads < ddp.grads / ws * 1.01
+    assert z1.optimizer == z2.optimizer == z3.optimizer < ddp.optimizer / ws * 1.01
+    # stage 3: norms (<= 1e5 elements) stay whole; the large weights are partitioned
+    norms = 3 * 512 * 2
+    large = (4 * 512 * 512 + 6 * 512 * 512) * 2
+    assert z3.params == norms + large // ws
+    # gathered: a model below max_reuse_distance stays gathered whole into backward
+    every = 4 * 512 * 512 + 3 * (2 * 512 * 512 + 512)
+    assert z3.gather == every * 2 < zero.max_reuse_distance
+    # above it: the largest unit and as much of the next as the prefetch bucket allows,
+    # or the last max_reuse_distance elements, whichever is more
+    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    cfg = MemoryConfig(round_bytes=1)
+    for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
+        small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)
+        got = scheme_memory("zero3", layout, cfg, SchemeSettings(zero=small)).gather
+        assert got == live * 2, distance
+
+
+def test_zero_settings_are_deepspeeds_defaults():
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    ds = config.DeepSpeedZeroConfig()
+    ours = ZeroConfig()
+    assert ours.reduce_bucket_size == ds.reduce_bucket_size
+    assert ours.allgather_bucket_size == ds.allgather_bucket_size
+    assert ours.prefetch_bucket_size == ds.prefetch_bucket_size
+    assert ours.param_persistence_threshold == ds.param_persistence_threshold
+    assert ours.max_live_parameters == ds.max_live_parameters
+    assert ours.max_reuse_distance == ds.max_reuse_distance
+
+
+def test_fsdp2_kept_gathered_holds_every_unit():
+    resharded = _memory("fsdp2", 4)
+    kept = _memory("fsdp2", 4, SchemeSettings(reshard_after_forward=False))
+    every = (4 * 512 * 512 + 3 * (2 * 512 * 512 + 512)) * 2  # bfloat16, even splits
+    assert kept.gather == every > resharded.gather
+    assert kept.persistent == resharded.persistent
+    # master weights: float32 shards, bfloat16 gathered (MixedPrecisionPolicy)
+    assert resharded.master == 0 and resharded.optimizer > 0
+
+
+def _plan(*extra: str):
+    return runner.invoke(
+        app,
+        [
+            "plan", "--model", "sample_models.models:gpt", "--gpu-memory", "2MiB",
+            "--reserve", "0", "--world-size", "1,2,4", "--micro-batch", "1,2",
+            "--seq-len", "16", "--checkpointing", "none", *extra,
+        ],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def all_schemes():
+    result = _plan("--scheme", "all", "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_scheme_all_json_follows_its_schema(all_schemes):
+    doc = all_schemes
+    jsonschema.validate(doc, SCHEMA)
+    assert [s["scheme"] for s in doc["schemes"]] == list(SCHEMES)
+    grid = {(r["world_size"], r["micro_batch"]): r["peak_bytes"] for r in doc["rows"]}
+    by = {s["scheme"]: s for s in doc["schemes"]}
+    assert {(r["world_size"], r["micro_batch"]): r["peak_bytes"] for r in by["flat"]["rows"]} == {
+        k: v for k, v in grid.items()
+    }
+    for s in doc["schemes"]:
+        assert len(s["rows"]) == 3 * 2
+        for r in s["rows"]:
+            parts = r["persistent_bytes"] + r["gather_bytes"] + r["reduce_bytes"]
+            assert r["peak_bytes"] == parts + r["activations"] + r["temporaries"]
+            assert r["fits"] == (r["needed_bytes"] <= doc["gpu_memory_bytes"])
+        if s["best"] is not None:
+            assert s["best"]["fits"]
+        if s["flat_saves_bytes"] is not None:
+            ws, mb, ck = s["compared_at"]
+            flat = next(
+                r for r in by["flat"]["rows"] if (r["world_size"], r["micro_batch"]) == (ws, mb)
+            )
+            mine = next(r for r in s["rows"] if (r["world_size"], r["micro_batch"]) == (ws, mb))
+            assert s["flat_saves_bytes"] == mine["peak_bytes"] - flat["peak_bytes"]
+    # whole parameters everywhere: DDP never needs fewer GPUs than the flat scheme
+    for flat, ddp in zip(by["flat"]["smallest"], by["ddp"]["smallest"]):
+        if ddp["world_size"] is not None:
+            assert flat["world_size"] is not None and flat["world_size"] <= ddp["world_size"]
+
+
+def test_plan_without_scheme_is_the_flat_plan_alone():
+    result = _plan("--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["schemes"] == [] and doc["options"]["schemes"] == ["flat"]
+
+
+def test_plan_scheme_markdown_table_and_html(tmp_path):
+    result = _plan("--scheme", "flat,fsdp2,ddp", "--format", "markdown")
+    assert result.exit_code == 0, result.output
+    assert "| | flat | fsdp2 | ddp |" in result.stdout.replace("|  |", "| |")
+    assert "fewest GPUs, micro-batch 2" in result.stdout
+    assert "flat saves at the peak" in result.stdout
+    page = tmp_path / "plan.html"
+    result = _plan("--scheme", "ddp", "--html", str(page))
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert "Schemes side by side" in text and '<th class="r">ddp</th>' in text
+    assert '<th class="r">flat</th>' in text  # the flat column is always there
+    assert "Schemes side by side" in result.stdout
+
+
+def test_plan_unknown_scheme_is_one_line_exit_2():
+    result = _plan("--scheme", "flat,megatron")
+    assert result.exit_code == 2, result.output
+    assert "unknown scheme megatron" in result.stderr and "Traceback" not in result.output

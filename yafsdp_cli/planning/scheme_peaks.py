@@ -1,0 +1,219 @@
+"""``plan --scheme``: the step's peak per rank under FSDP2, ZeRO-1/2/3 and DDP beside
+the flat scheme, over the plan's grid.
+
+A scheme's peak at (world size, micro-batch, checkpointing) is what it holds
+(``memory.step_schemes``: persistent bytes and its gathered parameters and
+gradient buffers) plus the highest phase of the step's own bytes, activations and
+temporaries, from the fake runs the plan already makes (``measure``):
+
+- schemes that compute on sharded-then-gathered units (flat, fsdp2, zero3) take the
+  plan's line at that world size, as the flat rows do: the same activations, and
+  temporaries whose per-rank part (gradients not yet reduced, optimizer
+  temporaries) scales with ``1/world_size``;
+- schemes whose forward and backward run on whole parameters (ddp, zero1, zero2)
+  take the line measured at world size 1 (the step of the whole model); ZeRO-1/2's
+  optimizer steps a ``1/world_size`` partition, so their optimizer phase's
+  temporaries are divided by the world size.
+
+What the flat scheme saves against a scheme is compared at that scheme's best
+configuration (or, where nothing of it fits, at the flat scheme's best): the
+scheme's peak minus the flat peak at the same world size, micro-batch and
+checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from ..engine.plan import plan
+from ..inspect.build import retype_params
+from ..memory import estimate_memory
+from ..memory.headroom import fits, needed_bytes
+from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
+from .measure import PhaseLine, Runner
+from .plan_options import MAX_WORLD_SIZE, PlanOptions
+
+
+@dataclass(frozen=True, slots=True)
+class SchemeRow:
+    """One scheme at one configuration; ``peak_bytes`` = persistent + gather +
+    reduce + activations + temporaries."""
+
+    scheme: str
+    world_size: int
+    micro_batch: int
+    checkpointing: str
+    peak_bytes: int
+    needed_bytes: int  # peak + reserve
+    persistent_bytes: int  # parameters, gradients, optimizer states, masters, buffers
+    gather_bytes: int
+    reduce_bytes: int
+    activations: int
+    temporaries: int
+    peak_phase: str
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchemeSmallest:
+    """The fewest GPUs on which ``micro_batch`` fits (and the checkpointing it takes)."""
+
+    micro_batch: int
+    world_size: int | None  # None: no world size up to the grid's largest
+    checkpointing: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SchemePlan:
+    scheme: str
+    configuration: str  # the scheme's settings, in its own terms
+    rows: tuple[SchemeRow, ...]
+    smallest: tuple[SchemeSmallest, ...]
+    best: SchemeRow | None
+    compared_at: tuple[int, int, str] | None  # (world size, micro-batch, checkpointing)
+    flat_peak_bytes: int | None  # the flat scheme's peak there
+    flat_saves_bytes: int | None  # this scheme's peak minus the flat peak there
+    # fsdp2 only: its best configuration with reshard_after_forward=False, which keeps
+    # every unit gathered from its forward to its backward (no second all-gather)
+    no_reshard_peak_bytes: int | None = None
+    no_reshard_fits: bool | None = None
+
+    @property
+    def flat_saves_percent(self) -> float | None:
+        if self.flat_saves_bytes is None or self.flat_peak_bytes is None:
+            return None
+        mine = self.flat_peak_bytes + self.flat_saves_bytes
+        return 100.0 * self.flat_saves_bytes / mine if mine else 0.0
+
+
+def compare_schemes(
+    loaded, opts: PlanOptions, runner: Runner, lines: dict, line_for: Callable
+) -> tuple[SchemePlan, ...]:
+    """Every scheme of ``opts.schemes`` over the grid; ``lines`` and ``line_for`` are
+    the plan's (``fit_grid``), ``runner`` measures the world-size-1 line if needed."""
+    sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
+    whole = {}
+    if any(s in WHOLE_PARAMS for s in opts.schemes):
+        for ck in opts.checkpointing:
+            whole[ck] = lines.get((ck, 1)) or runner.line(1, ck, opts.micro_batches, None)
+    rows = _RowMaker(opts, _scheme_memory(loaded, opts), lambda ck, ws: line_for(lines, ck, ws))
+    rows.whole = whole
+    grids = {
+        s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
+                 for mb in opts.micro_batches)
+        for s in opts.schemes
+    }  # fmt: skip
+    flat_best = _best(grids["flat"]) if "flat" in grids else None
+    return tuple(_scheme_plan(s, grid, grids.get("flat", ()), flat_best, rows, opts)
+                 for s, grid in grids.items())  # fmt: skip
+
+
+class _RowMaker:
+    """``(scheme, world size, micro-batch, checkpointing) -> SchemeRow``."""
+
+    def __init__(self, opts: PlanOptions, memory: Callable, line_at: Callable):
+        self.opts, self.memory, self.line_at = opts, memory, line_at
+        self.whole: dict[str, PhaseLine] = {}  # checkpointing -> the world-size-1 line
+
+    def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
+        opts = self.opts
+        full = scheme in WHOLE_PARAMS
+        line = self.whole[ck] if full else self.line_at(ck, ws)
+        partition = ws if scheme in ("zero1", "zero2") else 1
+        phase, act, temp = _highest_phase(line, mb, 1 if full else ws, partition)
+        m = self.memory(scheme, ws, settings or SchemeSettings())
+        peak = m.total + act + temp
+        return SchemeRow(
+            scheme, ws, mb, ck, peak, needed_bytes(peak, opts.reserve), m.persistent, m.gather,
+            m.reduce, act, temp, phase, fits(peak, opts.reserve, opts.gpu_memory),
+        )  # fmt: skip
+
+
+def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> SchemePlan:
+    best = _best(rows)
+    where = best or flat_best
+    key = (where.world_size, where.micro_batch, where.checkpointing) if where else None
+    flat = next((r for r in flat_rows if _key(r) == key), None)
+    mine = next((r for r in rows if _key(r) == key), None)
+    saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
+    plan = SchemePlan(
+        scheme, SETTINGS[scheme], rows, _smallest(rows, opts), best, key,
+        flat.peak_bytes if flat else None, saves,
+    )  # fmt: skip
+    if scheme != "fsdp2" or best is None or best.world_size == 1:
+        return plan
+    kept = make(scheme, *_key(best), settings=SchemeSettings(reshard_after_forward=False))
+    return dataclasses.replace(
+        plan, no_reshard_peak_bytes=kept.peak_bytes, no_reshard_fits=kept.fits
+    )
+
+
+def _key(r: SchemeRow) -> tuple[int, int, str]:
+    return (r.world_size, r.micro_batch, r.checkpointing)
+
+
+SETTINGS = {  # what each scheme's rows assume, in its own terms
+    "flat": "2 all-gather + 2 gradient buffers of the largest unit",
+    "fsdp2": "reshard_after_forward=True",
+    "ddp": "bucket_cap_mb=25, gradient_as_bucket_view=False",
+    "zero1": "reduce_bucket_size=5e8, contiguous_gradients",
+    "zero2": "reduce_bucket_size=5e8, contiguous_gradients",
+    "zero3": "prefetch 5e7, max live 1e9, reuse distance 1e9, persistence 1e5, "
+    "reduce_bucket_size=5e8",
+}
+
+
+def _highest_phase(line: PhaseLine, mb: int, ws: int, partition: int) -> tuple[str, int, int]:
+    """(phase, activations, temporaries) of the highest phase; the optimizer phase's
+    temporaries divided by ``partition`` (the share of the optimizer a rank steps)."""
+    best = None
+    for p in line.const:
+        _, act, temp = dataclasses.replace(line, const={p: line.const[p]}).at(mb, ws)
+        if p == "optimizer":
+            temp = round(temp / partition)
+        if best is None or act + temp > best[1] + best[2]:
+            best = (p, act, temp)
+    return best
+
+
+def _scheme_memory(loaded, opts: PlanOptions):
+    spec = retype_params(loaded.spec, opts.param_dtype)
+    cfg = opts.memory_config()
+
+    @cache
+    def layout_and_report(ws: int):
+        layout = plan(
+            spec, filters=opts.filters, excludes=opts.excludes, units=opts.units,
+            world_size=ws, align=opts.align,
+        )  # fmt: skip
+        return layout, estimate_memory(layout, cfg)
+
+    @cache
+    def memory(scheme: str, ws: int, settings: SchemeSettings):
+        layout, report = layout_and_report(ws)
+        return scheme_memory(scheme, layout, cfg, settings, report)
+
+    return memory
+
+
+def _best(rows) -> SchemeRow | None:
+    """As the plan's best: most tokens per rank, then no recomputation, then fewest GPUs."""
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))
+
+
+def _smallest(rows, opts: PlanOptions) -> tuple[SchemeSmallest, ...]:
+    out = []
+    for mb in opts.micro_batches:
+        fit = [r for r in rows if r.micro_batch == mb and r.fits]
+        if not fit:
+            out.append(SchemeSmallest(mb, None, None))
+            continue
+        first = min(fit, key=lambda r: (r.world_size, r.checkpointing != "none"))
+        out.append(SchemeSmallest(mb, first.world_size, first.checkpointing))
+    return tuple(out)

@@ -1,0 +1,120 @@
+"""``plan --scheme`` output: the schemes side by side (one column each) as a Rich
+table, markdown, JSON and HTML; ``plan_view`` calls these where the report carries
+schemes."""
+
+from __future__ import annotations
+
+from ..planning import PlanReport
+from .formatting import Section, human_bytes, markdown_table, plain
+
+
+def payload(report: PlanReport) -> list[dict]:
+    """The ``schemes`` key of ``yafsdp.plan/1``: every field, in bytes."""
+    return [{**plain(s), "flat_saves_percent": s.flat_saves_percent} for s in report.schemes]
+
+
+def side_by_side(report: PlanReport) -> Section:
+    schemes = report.schemes
+    several = len(report.checkpointing) > 1  # else every cell has the one choice
+    rows: list[tuple[str, ...]] = []
+    for i, mb in enumerate(report.micro_batches):
+        label = f"fewest GPUs, micro-batch {mb}"
+        rows.append((label, *(_smallest(s.smallest[i], several) for s in schemes)))
+    rows.append(("best configuration", *(_where(s.best, several) for s in schemes)))
+    rows.append(("peak at best", *(_peak(s.best) for s in schemes)))
+    rows.append(("flat saves at the peak", *(_saves(s) for s in schemes)))
+    return Section(
+        title="Schemes side by side: peak per rank of one training step",
+        headers=("", *(s.scheme for s in schemes)),
+        rows=tuple(rows),
+        right=tuple(range(1, len(schemes) + 1)),
+        caption=_caption(report),
+    )
+
+
+def settings_lines(report: PlanReport) -> list[str]:
+    """What each scheme's rows assume, one line each."""
+    return [f"{s.scheme}: {_settings(s)}" for s in report.schemes]
+
+
+def _smallest(s, several: bool) -> str:
+    if s.world_size is None:
+        return "none fits"
+    return f"{s.world_size} ({s.checkpointing})" if several else str(s.world_size)
+
+
+def _where(row, several: bool) -> str:
+    if row is None:
+        return "nothing fits"
+    where = f"{row.world_size} x micro-batch {row.micro_batch}"
+    return f"{where}, {row.checkpointing}" if several else where
+
+
+def _peak(row) -> str:
+    if row is None:
+        return "-"
+    return f"{human_bytes(row.peak_bytes)} ({row.peak_phase})"
+
+
+def _settings(s) -> str:
+    if s.no_reshard_peak_bytes is None:
+        return s.configuration
+    verdict = "fits" if s.no_reshard_fits else "OOM"
+    return (
+        f"{s.configuration} (with False, every unit kept gathered, the best configuration "
+        f"peaks at {human_bytes(s.no_reshard_peak_bytes)}: {verdict})"
+    )
+
+
+def _saves(s) -> str:
+    if s.scheme == "flat" or s.flat_saves_bytes is None:
+        return "-"
+    return f"{human_bytes(s.flat_saves_bytes)} ({s.flat_saves_percent:.1f}%)"
+
+
+def _caption(report: PlanReport) -> str:
+    return (
+        "peak = the scheme's persistent bytes per rank + its gathered parameters and "
+        "gradient buffers + the step's activations and temporaries (fake runs); flat saves: "
+        "the scheme's peak minus the flat scheme's at the scheme's best configuration "
+        "(the flat scheme's best where nothing of the scheme fits; negative: the flat "
+        "scheme needs more); fits: peak + "
+        f"{human_bytes(report.reserve_bytes)} reserve <= {human_bytes(report.gpu_memory_bytes)}"
+    )
+
+
+def to_markdown(report: PlanReport) -> list[str]:
+    if not report.schemes:
+        return []
+    s = side_by_side(report)
+    settings = [f"- {line}" for line in settings_lines(report)]
+    return [
+        f"**{s.title}**",
+        "",
+        markdown_table(s.headers, s.rows),
+        "",
+        s.caption,
+        "",
+        *settings,
+        "",
+    ]
+
+
+def to_rich(report: PlanReport) -> list:
+    if not report.schemes:
+        return []
+    from rich.text import Text
+
+    from .formatting import section_table
+
+    table = section_table(side_by_side(report), fold_names=False)
+    return [table, *(Text(f"  {line}") for line in settings_lines(report))]
+
+
+def to_html(report: PlanReport) -> str:
+    if not report.schemes:
+        return ""
+    from .html_base import notes_html, section_html
+
+    settings = notes_html("scheme settings", settings_lines(report))
+    return section_html(side_by_side(report)) + settings
