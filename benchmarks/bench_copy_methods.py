@@ -136,10 +136,6 @@ def methods(src: Path, out: Path) -> dict:
         finally:
             crc_mod._fast_crc32 = fast
 
-    def adaptive(fd):  # 4 MiB chunks, each the kernel copy or O_DIRECT by running rates
-        c = Copier()
-        c.copy(whole, fd, 0, Checksum(), None, out)
-
     table = {
         "cp": None,
         "copy_file_range, no checksum": kernel,
@@ -151,7 +147,6 @@ def methods(src: Path, out: Path) -> dict:
         "one buffered pass with CRC": one_pass,
         "the same, zlib CRC": one_pass_zlib,
         "O_DIRECT writes with CRC": lambda fd: direct_copy(src, out, fd),
-        "adaptive: kernel or O_DIRECT by chunk": adaptive,
     }
     return {k: (lambda w=w: _copy_into(out, size, w)) if w else None for k, w in table.items()}
 
