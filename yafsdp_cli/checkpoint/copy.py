@@ -8,29 +8,15 @@ output file that was sized in advance (``ftruncate``), so ``Zeros`` and the hole
 of a sparse source (``SEEK_DATA``/``SEEK_HOLE``) are simply not written: they read
 back as zeros and stay holes.
 
-How a range's data is copied, each step kept because
-``python -m benchmarks.run copy_methods`` shows it paying (docs/checkpoints.md,
-"Copying at the speed of cp", gives the figures):
-
-* its output blocks are allocated first (``fallocate``, data of 1 MiB or more):
-  ext4 then maps them instead of reserving each 4 KiB block on the write path;
-* the kernel copies it: ``os.copy_file_range``, else ``os.sendfile`` (which works
-  across file systems), else buffered reads; a method that fails once with "not
-  supported here" is not tried again, and one that stops short is finished by the
-  next;
-* bytes that must be checksummed (the output's checksums; with ``record`` the
-  input's too, kept in a ``Ledger`` so that the check after the copy need not read
-  them again) are read back from the source's page cache into a 4 MiB buffer and
-  CRC-32'd by a second thread while the kernel copies (ranges of 8 MiB or more;
-  both release the GIL). A range whose CRC the ledger has (a kept tensor copied
-  into every rank file) is not read at all.
-
-Not used, because the same benchmark measures them slower than this: one buffered
-pass that reads, checksums and writes each byte once (the kernel's write path for
-large user-space writes), and ``O_DIRECT`` writes that bypass the page cache. The
-read back uses ``preadv``, not ``mmap``: a source truncated meanwhile by another
-program would kill this process with SIGBUS through an ``mmap``, leaving the
-temporary behind, where ``preadv`` reports a truncated file.
+A range's data has its output blocks allocated first (``fallocate``), then the
+kernel copies it (``copy_file_range``, else ``sendfile``, else buffered reads and
+writes); bytes that must be checksummed are read back from the source's page cache
+with ``preadv`` (not ``mmap``: a source truncated meanwhile would raise SIGBUS) and
+CRC-32'd by a second thread while the kernel copies. With ``record`` the CRCs of
+the input's ranges are kept in a ``Ledger``, so the check after the copy need not
+read them again. Why this way and no other (one buffered pass, ``O_DIRECT``):
+``python -m benchmarks.run copy_methods``, explained in docs/checkpoints.md,
+"Copying at the speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
 before its range does is reported as truncated. A full disk stays an ``OSError``:
