@@ -7,9 +7,9 @@ each the median of 5 runs, every run paired with a `cp` of its input right befor
 after it (the order alternates), so both see the same load. Both outputs of a pair
 are removed before each run: on a virtual machine with free page reporting a write
 into the page cache is fast when it can reuse the pages of a file just deleted and
-slow when the pages must come back from the host, so removing only a command's own output would hand
-`cp` its previous output's pages every time, and none to a yafsdp run that wrote
-with O_DIRECT (docs/checkpoints.md, "Copying at the speed of cp"). The input is a
+slow when the pages must come back from the host, so removing only a command's own
+output would hand each command its own previous output's pages, whatever the other
+did (docs/checkpoints.md, "Copying at the speed of cp"). The input is a
 Llama-shaped fp32 checkpoint (4 decoder layers, hidden 2048, intermediate 5504,
 vocabulary 32000, untied head: 1.24 GiB) written once under benchmarks/data/
 (git-ignored) with pseudo-random bytes; restore and reshard read the flat file that

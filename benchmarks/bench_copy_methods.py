@@ -1,38 +1,43 @@
 """How to move checkpoint bytes: the measurements behind ``checkpoint/copy.py``.
 
 Copies the 1.24 GiB benchmark checkpoint (bench_convert) whole, file to file, in
-this process, with each way ``Copier`` can do it, beside ``cp`` of the same file;
-every method runs once per round, in a shuffled order, REPEAT rounds, each output
-deleted and ``sync`` run before each copy (outside the timing). No bar: this is
-the evidence for the choice (docs/checkpoints.md, "Copying at the speed of cp"). Each line
-gives the wall time and the CPU time (user + system, both threads, cp's too): on
-a machine shared with other jobs the CPU time is the steadier figure.
+this process, each way below, beside ``cp`` of the same file in the same run. Every
+way runs once per round, in a shuffled order, REPEAT rounds; before each copy the
+previous output is deleted and ``sync`` run (outside the timing). Each copy may
+reuse the page-cache pages that the deleted output left (fast) or not (on a VM that
+hands free pages back to its host, slow): the shuffled order spreads that over the
+ways. No bar: this is the evidence for the choice (docs/checkpoints.md, "Copying at
+the speed of cp"). Each line gives the wall time and the CPU time (user + system,
+every thread, cp's too): on a machine shared with other jobs the CPU time is the
+steadier figure.
 
-* kernel copy, no checksum (copy_file_range, sendfile), with the output's blocks
-  allocated first (``fallocate``, what Copier does) and without;
-* kernel copy, then the checksum read back from the page cache (two passes), and
-  the same with the read back in a second thread meanwhile (what Copier does), with
-  and without ``fallocate``;
-* one buffered pass (preadv into one buffer, CRC-32, pwrite): what Copier does
-  where neither kernel copy works;
-* the same with zlib's CRC-32 instead of isal's, and with other buffer sizes;
-* by 4 MiB chunks (``direct.SplitCopy``, what Copier does for a named output): each
-  chunk the faster way by the running rates (what yafsdp does), and every chunk
-  written with O_DIRECT, or every chunk the kernel's way with the read back in a
-  second thread.
+Ways with a checksum give the CRC-32 that ``convert`` stores; ``cp`` computes none.
 
-Each copy deletes the previous one's output first, so it may reuse that file's
-page-cache pages (fast) or not (after a direct write there are none): the shuffled
-order spreads that over the methods.
+* ``copy_file_range`` alone, no checksum, with the output's blocks allocated first
+  (``fallocate``, what ``Copier`` does) and without; ``sendfile`` the same way (the
+  fallback where ``copy_file_range`` is refused, e.g. across file systems);
+* ``copy_file_range``, then the CRC read back from the page cache (two passes in
+  one thread), and with the read back in a second thread meanwhile (what ``Copier``
+  does), also without ``fallocate``;
+* one buffered pass: ``preadv`` into a 4 MiB buffer, CRC-32, ``pwrite`` (what
+  ``Copier`` does where no kernel copy works); the same with zlib's CRC-32 instead
+  of isal's (``checkpoint/crc.py``);
+* ``O_DIRECT``: 4 MiB chunks read into page-aligned buffers and CRC'd there, each
+  written with ``O_DIRECT`` by a second thread while the next is read, so the output
+  bypasses the page cache (written here, not in ``yafsdp_cli``: the library does not
+  use it).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import queue
 import random
 import resource
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +48,8 @@ from yafsdp_cli.checkpoint.format import Checksum
 from .bench_convert import make_checkpoint
 from .common import DATA, MiB
 
-REPEAT = 5
+REPEAT = 7
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to the device's block
 
 
 def _copy_into(out: Path, size: int, work) -> None:
@@ -53,6 +59,50 @@ def _copy_into(out: Path, size: int, work) -> None:
         work(fd)
     finally:
         os.close(fd)
+
+
+def direct_copy(src: Path, out: Path, fd: int, chunk: int = 4 * MiB) -> int:
+    """``src`` into ``out`` (open as ``fd``, already sized) with ``O_DIRECT`` writes by
+    a second thread, double-buffered; the CRC-32. The unaligned tail goes through
+    ``fd`` (the page cache)."""
+    size = src.stat().st_size
+    aligned = size // ALIGN * ALIGN
+    dfd = os.open(out, os.O_WRONLY | os.O_DIRECT)
+    free: queue.Queue = queue.Queue()
+    for _ in range(2):
+        free.put(mmap.mmap(-1, chunk))
+    jobs: queue.Queue = queue.Queue()
+
+    def write() -> None:
+        while (job := jobs.get()) is not None:
+            buf, pos, n = job
+            view = memoryview(buf)[:n]
+            done = 0
+            while done < n:
+                done += os.pwrite(dfd, view[done:], pos + done)
+            free.put(buf)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    crc = 0
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        for pos in range(0, aligned, chunk):
+            buf = free.get()
+            n = min(chunk, aligned - pos)
+            got = os.preadv(sfd, [memoryview(buf)[:n]], pos)
+            assert got == n, "short read"
+            crc = crc_mod.crc32(memoryview(buf)[:n], crc)
+            jobs.put((buf, pos, n))
+        tail = os.pread(sfd, size - aligned, aligned)
+        os.pwrite(fd, tail, aligned)
+        crc = crc_mod.crc32(tail, crc)
+    finally:
+        jobs.put(None)
+        writer.join()
+        os.close(sfd)
+        os.close(dfd)
+    return crc
 
 
 def methods(src: Path, out: Path) -> dict:
@@ -74,26 +124,15 @@ def methods(src: Path, out: Path) -> dict:
         c.reserve = reserve
         c.copy(whole, fd, 0, Checksum())
 
-    def one_pass(buffer_bytes):
-        def copy(fd):
-            c = Copier(buffer_bytes)
-            c.disabled.update({"copy_file_range", "sendfile"})  # as where both are refused
-            c.copy(whole, fd, 0, Checksum())
-
-        return copy
-
-    def split(mode=None):  # what Copier.copy does with a named output (direct.py)
-        def copy(fd):
-            c = Copier()
-            c.split_mode = mode
-            c.copy(whole, fd, 0, Checksum(), None, out)
-
-        return copy
+    def one_pass(fd):
+        c = Copier()
+        c.disabled.update({"copy_file_range", "sendfile"})  # as where both are refused
+        c.copy(whole, fd, 0, Checksum())
 
     def one_pass_zlib(fd):
         fast, crc_mod._fast_crc32 = crc_mod._fast_crc32, None
         try:
-            one_pass(4 * MiB)(fd)
+            one_pass(fd)
         finally:
             crc_mod._fast_crc32 = fast
 
@@ -102,32 +141,35 @@ def methods(src: Path, out: Path) -> dict:
         "copy_file_range, no checksum": kernel,
         "the same, no fallocate": lambda fd: kernel(fd, reserve=False),
         "sendfile, no checksum": lambda fd: kernel(fd, ("copy_file_range",)),
-        "copy_file_range + CRC read back": kernel_then_crc,
-        "the same, read back by a 2nd thread": kernel_with_crc_thread,
+        "copy_file_range, then CRC read back": kernel_then_crc,
+        "copy_file_range + CRC thread (yafsdp)": kernel_with_crc_thread,
         "the same, no fallocate ": lambda fd: kernel_with_crc_thread(fd, reserve=False),
-        "4 MiB chunks, the faster way (yafsdp)": split(),
-        "4 MiB chunks, every one direct": split("direct"),
-        "4 MiB chunks, every one kernel": split("kernel"),
-        "one pass, 1 MiB buffer": one_pass(MiB),
-        "one pass, 4 MiB buffer": one_pass(4 * MiB),
-        "one pass, 16 MiB buffer": one_pass(16 * MiB),
-        "one pass, 4 MiB, zlib CRC": one_pass_zlib,
+        "one buffered pass with CRC": one_pass,
+        "the same, zlib CRC": one_pass_zlib,
+        "O_DIRECT writes with CRC": lambda fd: direct_copy(src, out, fd),
     }
     return {k: (lambda w=w: _copy_into(out, size, w)) if w else None for k, w in table.items()}
 
 
 def _cpu_s() -> float:
-    """User + system CPU of this process (both threads) and of waited-for children (cp)."""
+    """User + system CPU of this process (every thread) and of waited-for children (cp)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _check(name: str, out: Path, want: FileRange, crc: int) -> None:
+    """Every way must copy the bytes, or its time means nothing (not timed)."""
+    if Copier().crc_of(FileRange(out, 0, want.nbytes)) != crc:
+        raise SystemExit(f"{name}: the copy's bytes differ from the input's")
 
 
 def main() -> bool:
     DATA.mkdir(parents=True, exist_ok=True)
     src, out = DATA / "llama-1.2g-fp32.safetensors", DATA / "copy-methods.out"
     make_checkpoint(src)
-    Copier().hash(FileRange(src, 0, src.stat().st_size), Checksum())  # warm the cache
+    whole = FileRange(src, 0, src.stat().st_size)
+    want = Copier().crc_of(whole)  # also warms the page cache with the input
     table = methods(src, out)
     times: dict[str, list[float]] = {k: [] for k in table}
     cpus: dict[str, list[float]] = {k: [] for k in table}
@@ -147,6 +189,7 @@ def main() -> bool:
                 table[name]()
             times[name].append(time.perf_counter() - start)
             cpus[name].append(_cpu_s() - cpu)
+            _check(name, out, whole, want)
     out.unlink()
     cp = statistics.median(times["cp"])
     for name, ts in times.items():

@@ -13,8 +13,8 @@ instead (``dcp_restore.py``), for FSDP2 and torchtitan.
 Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
 calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
 data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
-safetensors file, staged outputs), ``copy`` and ``direct`` (moving bytes by file
-ranges), ``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore`` and
+safetensors file, staged outputs), ``copy`` (moving bytes by file ranges),
+``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore`` and
 ``results``. It may import ``sources``, ``engine``, ``fileio`` and ``errors``; only
 ``cli`` and ``report`` import it.
 

@@ -5,44 +5,28 @@ A tensor's content is a list of pieces: ``FileRange`` (bytes of a file), ``Zeros
 state dict). ``coalesce`` merges neighbours, so a flat buffer whose entries lie one
 after the other in the source is one range. ``Copier`` moves a range into an
 output file that was sized in advance (``ftruncate``), so ``Zeros`` and the holes
-of a sparse source are simply not written: they read back as zeros and stay holes.
+of a sparse source (``SEEK_DATA``/``SEEK_HOLE``) are simply not written: they read
+back as zeros and stay holes.
 
-A range of ``direct.SPLIT_MIN`` (1 MiB) or more whose output file is named goes to
-``direct.SplitCopy``: by 4 MiB chunks, each the kernel's way (below) or written with
-``O_DIRECT``, whichever is faster at the moment (the page cache's speed swings on a
-VM). What follows is the kernel's way, and the whole path for shorter ranges.
-
-The kernel copies every range: ``os.copy_file_range``, else ``os.sendfile``, else
-buffered reads (a method that fails once with "not supported here" is not tried
-again; one that stops short is finished by the next). Before a data range of 1 MiB
-or more is copied, its output blocks are allocated (``fallocate``): ext4 then maps
-them instead of reserving each 4 KiB block on the write path (``Copier._reserve``;
-``python -m benchmarks.run copy_methods`` times the copy with and without it). Bytes
-that must be checksummed (the output's checksums; with ``record`` the input's too,
-kept in a ``Ledger`` so that the check after the copy need not read them again) are
-then read back from the page cache into a 4 MiB buffer and CRC-32'd, by a second
-thread while the kernel copies (ranges of 8 MiB and more; both release the GIL); a
-range whose CRC the ledger has (a kept tensor copied into every rank file) is not
-read at all. Why not one buffered pass (``preadv`` into the buffer, CRC,
-``pwrite``), which touches the bytes once: ``copy_methods`` measures it as fast as
-``cp`` at times and 3-5x slower at others (the kernel's write path for large
-user-space writes; ``copy_file_range`` does not vary). The kernel copy with the read
-back after it costs 1.33-1.39x ``cp``; with the read back in the second thread,
-0.96x. Why not read the page cache through ``mmap`` instead of ``preadv`` (no copy
-into the buffer: 0.02 s less CPU per 1.24 GiB, the same wall time): a source
-truncated meanwhile by another program would kill this process with SIGBUS, leaving
-the temporary behind, where ``preadv`` reports a truncated file. Figures:
-``python -m benchmarks.run copy_methods``; README "Copying at the speed of cp".
+A range's data has its output blocks allocated first (``fallocate``), then the
+kernel copies it (``copy_file_range``, else ``sendfile``, else buffered reads and
+writes); bytes that must be checksummed are read back from the source's page cache
+with ``preadv`` (not ``mmap``: a source truncated meanwhile would raise SIGBUS) and
+CRC-32'd by a second thread while the kernel copies. With ``record`` the CRCs of
+the input's ranges are kept in a ``Ledger``, so the check after the copy need not
+read them again. Why this way and no other (one buffered pass, ``O_DIRECT``):
+``python -m benchmarks.run copy_methods``, explained in docs/checkpoints.md,
+"Copying at the speed of cp".
 
 Every ``OSError`` becomes a ``CheckpointError`` naming the file; a file that ends
-before its range does is reported as truncated.
+before its range does is reported as truncated. A full disk stays an ``OSError``:
+``writer.staged_output`` names the output.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -50,10 +34,9 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..fileio import OUTPUT_FULL, allocate
-from . import direct
 from .crc import crc32, crc32_zeros
 
-COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer; copy_methods: 1-16 MiB all equal
+COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer, and the buffered copy's
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
 OVERLAP_MIN = 8 * 1024 * 1024  # ranges this long are read back by a second thread
 RESERVE_MIN = 1024 * 1024  # data this long has its output blocks allocated first
@@ -184,12 +167,7 @@ class Copier:
         self.disabled: set[str] = set()  # "copy_file_range", "sendfile"
         self._stop: threading.Event | None = None  # set: a reading thread should stop
         self.used: dict[str, int] = {}  # method -> bytes moved with it
-        self._used_lock = threading.Lock()  # the direct workers count too
         self.reserve = True  # allocate output blocks before copying (off once refused)
-        self.direct = True  # split long ranges with O_DIRECT writes (off once refused)
-        self._direct_mmaps = None  # page-aligned buffers for O_DIRECT writes
-        self.rates = direct.Rates()
-        self.split_mode: str | None = None  # tests: "kernel" or "direct" instead of the rates
 
     def _buffer(self) -> memoryview:
         if self._view is None:
@@ -197,36 +175,25 @@ class Copier:
         return self._view
 
     def _count(self, method: str, n: int) -> None:
-        with self._used_lock:
-            self.used[method] = self.used.get(method, 0) + n
+        self.used[method] = self.used.get(method, 0) + n
 
-    def copy(
-        self, src: FileRange, dst_fd: int, dst_off: int, digest=None, tick=None, dst_path=None
-    ) -> None:
+    def copy(self, src: FileRange, dst_fd: int, dst_off: int, digest=None, tick=None) -> None:
         """``src``'s bytes to ``dst_fd`` at ``dst_off`` (which must already be that
         long, so skipped holes read as zeros); ``digest`` is extended by them.
 
-        A long range whose output file is named (``dst_path``) is split between the
-        kernel copy and direct writes (``direct.py``). Otherwise the kernel copies,
-        and bytes that must be checksummed (a digest, or a ledger that lacks them)
-        are then read back from the page cache into the buffer. Where no kernel
-        method works, one buffered pass copies and checksums."""
+        The kernel copies; bytes that must be checksummed (a digest, or a ledger
+        that lacks them) are read back from the page cache meanwhile. Where no
+        kernel method works, one buffered pass copies and checksums."""
         known = self.ledger.get(src) if self.ledger is not None else None
         want = known is None and (digest is not None or self.ledger is not None)
-        crc = None
-        if dst_path is not None and src.nbytes >= direct.SPLIT_MIN and self.direct:
-            crc = self._split(src, dst_fd, dst_path, dst_off, want, tick)  # None: not copied
-        if crc is None:
-            if not want:
-                self._pass(src, dst_fd, dst_off, tick, kernel=True)
-            elif self.kernel_available():
-                crc = self._copy_and_read_back(src, dst_fd, dst_off, tick)
-            else:
-                crc = self._pass(src, dst_fd, dst_off, tick)
-        if want:
-            known = crc
-            if self.ledger is not None:
-                self.ledger.record(src, known)
+        if not want:
+            self._pass(src, dst_fd, dst_off, tick, kernel=True)
+        elif self.kernel_available():
+            known = self._copy_and_read_back(src, dst_fd, dst_off, tick)
+        else:
+            known = self._pass(src, dst_fd, dst_off, tick)
+        if want and self.ledger is not None:
+            self.ledger.record(src, known)
         if digest is not None:
             digest.extend(known, src.nbytes)
 
@@ -250,59 +217,14 @@ class Copier:
         thread.start()
         try:
             self._pass(src, dst_fd, dst_off, tick, kernel=True)
+        except BaseException:
+            reader._stop.set()  # an error or Ctrl-C here: do not wait for all of it
+            raise
         finally:
-            if sys.exc_info()[0] is not None:
-                reader._stop.set()  # an error or Ctrl-C here: do not wait for all of it
             thread.join()
         if "error" in box:
             raise box["error"]
         return box["crc"]
-
-    def _split(self, src: FileRange, dst_fd, dst_path, dst_off, want: bool, tick) -> int | None:
-        """Copy ``src`` by chunks, the kernel copy in this thread and direct writes in
-        workers (``direct.SplitCopy``); its CRC-32 (0 unless ``want``). None, with
-        nothing copied, where the output cannot be opened with O_DIRECT."""
-        fd = open_range(src)
-        try:
-            segments = list(data_segments(fd, src.offset, src.nbytes))
-            direct_fd = direct.open_direct(dst_path)
-            if direct_fd is None:
-                self.direct = False
-                return None
-            try:
-                for start, n, is_data in segments:
-                    if is_data:
-                        self._reserve(dst_fd, dst_off + start - src.offset, n)
-
-                def copy(c: direct.Chunk) -> None:
-                    self._kernel_copy(fd, src.path, c.src, dst_fd, c.dst, c.nbytes, None)
-
-                job = direct.SplitCopy(
-                    direct.plan(segments, src.offset, dst_off),
-                    fd,
-                    src.path,
-                    direct_fd,
-                    self._direct_buffers(),
-                    self.rates,
-                    want_crc=want,
-                    copy=copy,
-                    count=self._count,
-                    mode=self.split_mode,
-                )
-                crc = job.run(tick)
-                if job.refused:
-                    self.direct = False
-                return crc
-            finally:
-                os.close(direct_fd)
-        finally:
-            os.close(fd)
-
-    def _direct_buffers(self) -> list:
-        """``direct.SplitCopy``'s buffers, made once per Copier."""
-        if self._direct_mmaps is None:
-            self._direct_mmaps = direct.buffers()
-        return self._direct_mmaps
 
     def kernel_available(self) -> bool:
         return any(hasattr(os, m) and m not in self.disabled for m in _KERNEL_METHODS)
@@ -329,13 +251,10 @@ class Copier:
         return crc
 
     def _reserve(self, dst_fd: int, at: int, n: int) -> None:
-        """Allocate the output's blocks under ``[at, at + n)`` before they are written
-        (``fallocate``): the write path then finds them mapped instead of reserving
-        each 4 KiB block for delayed allocation on the way
-        (``python -m benchmarks.run copy_methods`` times the kernel copy with and
-        without it). Only data is reserved, so holes stay holes. A full disk is the
-        output's error (before a byte is copied); a file system without
-        ``fallocate`` is not asked again."""
+        """Allocate the output's blocks under ``[at, at + n)`` before they are written.
+        Only data is reserved, so holes stay holes. A full disk is the output's error
+        (before a byte is copied); a file system without ``fallocate`` is not asked
+        again."""
         if n < RESERVE_MIN or not self.reserve:
             return
         try:

@@ -134,7 +134,7 @@ class FileWriter:
     def copy(self, src: FileRange, copier: Copier, tick=None) -> None:
         """Copy a file range here (the kernel's copy when no checksum is kept)."""
         cur = self._claim(src.nbytes)
-        copier.copy(src, self._file(), self._pos, cur[2], tick, self.path)
+        copier.copy(src, self._file(), self._pos, cur[2], tick)
         self._pos += src.nbytes
         cur[1] -= src.nbytes
 
