@@ -11,6 +11,8 @@ name, and the metadata maps each dropped name to the stored one, so
 ``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
 ``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
+A checkpoint that carries optimizer state is restored in its source's layout, state
+included (``train_restore.py``); ``weights_only`` gives the weights as above.
 """
 
 from __future__ import annotations
@@ -70,16 +72,23 @@ def restore_checkpoint(
     force: bool = False,
     progress: Progress | None = None,
     fmt: str | None = None,
+    weights_only: bool = False,
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
     to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``; with ``fmt="dcp"`` a
     torch.distributed.checkpoint folder). Every checksum and the zero padding are
     verified before ``out`` appears: for ``.safetensors`` in the same pass as the copy
     (the bytes are read once, checksummed and written to the hidden temporary; a
-    mismatch removes it)."""
+    mismatch removes it). A checkpoint with optimizer state is written in its
+    source's own layout (``train_restore.py``) unless ``weights_only``."""
     out = Path(out)
     fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
+    if ckpt.optim is not None and not weights_only:
+        from .train_restore import restore_training
+
+        items = state_dict_items(ckpt)
+        return restore_training(ckpt, out, fmt, items, force=force, progress=progress)
     if fmt == "dcp":
         from .dcp_restore import restore_dcp
 
