@@ -1,0 +1,197 @@
+"""Training checkpoints: optimizer state through convert, reshard and restore, bit for
+bit, in the source's own layout; old (version 1) flat files still read; bad state
+refused with one line, exit 2 and nothing written."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from checkpoint_helpers import assert_same_tensors, read_header
+from dcp_samples import save_dcp, trained
+from helpers import build
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+)
+from typer.testing import CliRunner
+
+from yafsdp_cli.checkpoint import open_flat, restore_checkpoint
+from yafsdp_cli.cli import app
+
+runner = CliRunner()
+FIXTURE = Path(__file__).parent / "fixtures" / "flat-v1-mlp.safetensors"
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def torchtitan_checkpoint(path: Path, name: str, *, flatten: bool, optimizer="adamw"):
+    """``{"model", "optimizer", ...}`` as torchtitan saves it; returns model and optimizer."""
+    model, opt = trained(name, optimizer, steps=2)
+    osd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten)
+    )
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_dcp(path, {"model": weights, "optimizer": osd, "train_state": {"step": 2}})
+    return model, opt
+
+
+def load_like_torchtitan(path: Path, name: str, *, flatten: bool, optimizer="adamw"):
+    """A fresh model and optimizer filled by ``dcp.load({"model", "optimizer"})``."""
+    model = build(name, seed=7)  # other weights than the checkpoint's
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    state = {"model": sd, "optimizer": osd, "train_state": {"step": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def assert_same_optimizer(a: dict, b: dict) -> None:
+    """Two optimizer state dicts (by parameter name) hold the same bits."""
+    assert a.keys() == b.keys()
+    if "state" in a:
+        assert a["state"].keys() == b["state"].keys()
+        for param, fields in a["state"].items():
+            assert_same_tensors(fields, b["state"][param])
+        assert a["param_groups"] == b["param_groups"]
+        return
+    tensors = {k: v for k, v in a.items() if isinstance(v, torch.Tensor)}
+    assert_same_tensors(tensors, {k: b[k] for k in tensors})
+    assert {k: v for k, v in a.items() if k not in tensors} == {
+        k: v for k, v in b.items() if k not in tensors
+    }
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_dcp_training_checkpoint_round_trip_through_reshard(tmp_path, flatten):
+    src, flat, re3, back = (tmp_path / n for n in ("src", "flat.safetensors", "re3", "back"))
+    model, opt = torchtitan_checkpoint(src, "gpt", flatten=flatten)
+    assert run("convert", src, "-o", flat, "--world-size", "4").exit_code == 0
+    result = run("reshard", flat, "--world-size", "3", "--sharded", "-o", re3)
+    assert result.exit_code == 0, result.output
+    result = run("restore", re3, "-o", back, "--format", "dcp")
+    assert result.exit_code == 0, result.output
+    state = load_like_torchtitan(back, "gpt", flatten=flatten)
+    assert_same_tensors(state["model"], model.state_dict())
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    assert_same_optimizer(state["optimizer"], get_optimizer_state_dict(model, opt, options=options))
+    assert state["train_state"] == {"step": 2}
+
+
+def test_state_buffers_share_their_parameters_layout(tmp_path):
+    src, flat = tmp_path / "src", tmp_path / "flat"
+    torchtitan_checkpoint(src, "mlp", flatten=False)
+    assert run("convert", src, "-o", flat, "--world-size", "2", "--sharded").exit_code == 0
+    ckpt = open_flat(flat)
+    assert ckpt.optim.kind == "adam"
+    (b,) = ckpt.layout.buffers
+    names = {sb.name: sb for sb in ckpt.all_buffers}
+    assert set(names) == {b.name, f"{b.name}@exp_avg", f"{b.name}@exp_avg_sq"}
+    for tensors in ckpt.files:
+        for name, sb in names.items():
+            assert tensors[name].shape == (b.padded_numel // 2,)
+            assert sb.entries == b.entries
+    assert ckpt.verify() == 2 * 3  # every state buffer checksummed, padding checked
+    header, _ = read_header(ckpt.file_paths[0])
+    assert header["__metadata__"]["yafsdp.version"] == "2"
+    assert json.loads(header["__metadata__"]["yafsdp.optimizer"])["kind"] == "adam"
+
+
+def test_sgd_momentum_round_trip(tmp_path):
+    src, flat, back = tmp_path / "src", tmp_path / "flat.safetensors", tmp_path / "back"
+    model, opt = torchtitan_checkpoint(src, "mlp", flatten=False, optimizer="sgd")
+    assert run("convert", src, "-o", flat, "--world-size", "3").exit_code == 0
+    assert open_flat(flat).optim.kind == "sgd"
+    assert run("restore", flat, "-o", back, "--format", "dcp").exit_code == 0
+    state = load_like_torchtitan(back, "mlp", flatten=False, optimizer="sgd")
+    assert_same_optimizer(state["optimizer"], get_optimizer_state_dict(model, opt))
+
+
+def test_weights_only_is_version_1(tmp_path):
+    src, flat = tmp_path / "src", tmp_path / "flat.safetensors"
+    torchtitan_checkpoint(src, "mlp", flatten=False)
+    assert run("convert", src, "-o", flat, "--weights-only").exit_code == 0
+    header, _ = read_header(flat)
+    assert header["__metadata__"]["yafsdp.version"] == "1"
+    assert "yafsdp.optimizer" not in header["__metadata__"]
+    assert open_flat(flat).optim is None
+
+
+def test_version_1_file_still_reads(tmp_path):
+    ckpt = open_flat(FIXTURE)
+    assert ckpt.optim is None and ckpt.verify() == len(ckpt.files[0])
+    out = tmp_path / "mlp.safetensors"
+    restore_checkpoint(FIXTURE, out)
+    from safetensors.torch import load_file
+
+    assert_same_tensors(load_file(out), load_file("sample_models/mlp.safetensors"))
+    result = run("reshard", FIXTURE, "--world-size", "3", "-o", tmp_path / "r.safetensors")
+    assert result.exit_code == 0, result.output
+
+
+def test_state_restore_needs_its_own_format(tmp_path):
+    src, flat = tmp_path / "src", tmp_path / "flat.safetensors"
+    torchtitan_checkpoint(src, "mlp", flatten=False)
+    assert run("convert", src, "-o", flat).exit_code == 0
+    out = tmp_path / "w.safetensors"
+    result = run("restore", flat, "-o", out)
+    assert result.exit_code == 2 and "--format dcp" in result.output and not out.exists()
+    assert run("restore", flat, "-o", out, "--weights-only").exit_code == 0
+
+
+def _edit_and_save(path: Path, edit) -> None:
+    model, opt = trained("mlp", "adamw", steps=1)
+    osd = get_optimizer_state_dict(model, opt)
+    edit(osd)
+    save_dcp(path, {"model": dict(model.state_dict()), "optimizer": osd})
+
+
+def _drop_sq(osd):
+    del osd["state"]["net.0.weight"]["exp_avg_sq"]
+
+
+def _bad_step(osd):
+    osd["state"]["net.2.bias"]["step"] = torch.tensor(5.0)
+
+
+def _bad_shape(osd):
+    osd["state"]["net.0.bias"]["exp_avg"] = torch.zeros(3)
+
+
+def _rmsprop(osd):
+    for fields in osd["state"].values():
+        fields["square_avg"] = fields.pop("exp_avg_sq")
+        del fields["exp_avg"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_drop_sq, "'net.0.weight' has no 'exp_avg_sq'"),
+        (_bad_step, "step count differs between parameters"),
+        (_bad_shape, "'net.0.bias' has shape [3], but the parameter is [128]"),
+        (_rmsprop, "belongs to RMSprop"),
+    ],
+    ids=["missing-exp_avg_sq", "step-differs", "shape", "unknown-optimizer"],
+)
+def test_bad_optimizer_state_is_refused(tmp_path, edit, message):
+    src, flat = tmp_path / "src", tmp_path / "flat.safetensors"
+    _edit_and_save(src, edit)
+    result = run("convert", src, "-o", flat)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert len(result.output.strip().splitlines()) == 1
+    assert not flat.exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
