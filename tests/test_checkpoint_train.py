@@ -195,3 +195,44 @@ def test_bad_optimizer_state_is_refused(tmp_path, edit, message):
     assert message in " ".join(result.output.split())
     assert len(result.output.strip().splitlines()) == 1
     assert not flat.exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def torch_save_checkpoint(path: Path, name: str) -> tuple:
+    """``torch.save({"model", "optimizer", "epoch"})`` after two AdamW steps."""
+    model, opt = trained(name, "adamw", steps=2)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 2}, path)
+    return model, opt
+
+
+def test_torch_save_training_checkpoint_round_trip(tmp_path):
+    src, flat, re3, back = (tmp_path / n for n in ("ckpt.pt", "flat.safetensors", "re3", "back.pt"))
+    model, opt = torch_save_checkpoint(src, "gpt")
+    result = run(
+        "convert", src, "--model", "sample_models.models:gpt", "-o", flat, "--world-size", "2"
+    )
+    assert result.exit_code == 0, result.output
+    assert run("reshard", flat, "--world-size", "3", "--sharded", "-o", re3).exit_code == 0
+    result = run("restore", re3, "-o", back)
+    assert result.exit_code == 0, result.output
+    got = torch.load(back, weights_only=True)
+    assert got.keys() == {"model", "optimizer", "epoch"} and got["epoch"] == 2
+    assert_same_tensors(got["model"], model.state_dict())
+    want = opt.state_dict()
+    assert got["optimizer"]["param_groups"] == want["param_groups"]
+    assert got["optimizer"]["state"].keys() == want["state"].keys()
+    for pid, fields in want["state"].items():
+        assert_same_tensors(got["optimizer"]["state"][pid], fields)
+    # the restored dict resumes training: a fresh optimizer loads it as it is
+    fresh = build("gpt", seed=3)
+    fresh.load_state_dict(got["model"])
+    torch.optim.AdamW(fresh.parameters(), lr=1e-2).load_state_dict(got["optimizer"])
+
+
+def test_torch_save_optimizer_needs_an_architecture(tmp_path):
+    src, flat = tmp_path / "ckpt.pt", tmp_path / "flat.safetensors"
+    torch_save_checkpoint(src, "mlp")
+    result = run("convert", src, "-o", flat)
+    assert result.exit_code == 2
+    assert "give the architecture with --model" in " ".join(result.output.split())
+    assert not flat.exists()
+    assert run("convert", src, "-o", flat, "--weights-only").exit_code == 0

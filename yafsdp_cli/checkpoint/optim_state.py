@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError, YafsdpError
+from ..sources.state import IntKey
 
 if TYPE_CHECKING:  # the sources that hold state import torch; this module does not
     from ..sources.train_state import StateTensor, TrainingState
 
+MAX_VALUE_BYTES = 1 << 20  # a tensor value kept in the metadata (a counter, a scheduler's)
 SEP = "@"  # state buffer name: f"{buffer}{SEP}{field}"
 ADAM_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 SGD_TENSORS = ("momentum_buffer",)
@@ -134,14 +136,14 @@ def optim_from(state: TrainingState, layout: Layout) -> OptimState:
     owner = {n: e.name for b in layout.buffers for e in b.entries for n in e.names}
     paths: dict[str, dict[str, list]] = {}
     for t in state.tensors:
-        paths.setdefault(owner[t.param], {})[t.field] = list(t.path)
+        paths.setdefault(owner[t.param], {})[t.field] = path_json(t.path)
     return OptimState(
         kind=kind,
         form=state.form,
         model_path=tuple(state.model_path),
         dtypes=found,
         paths=paths,
-        extras=[[list(path), encode(value)] for path, value in state.extras],
+        extras=[[path_json(path), encode(value)] for path, value in state.extras],
     )
 
 
@@ -226,6 +228,16 @@ def state_dtypes(tensors: Iterable[StateTensor], layout: Layout, where: str) -> 
 # ---------------------------------------------------------------- values as JSON
 
 
+def path_json(path) -> list:
+    """A key path as JSON: strings (dict keys), ints (list indices) and
+    ``{"key": n}`` for an integer dict key (``IntKey``)."""
+    return [{"key": int(p)} if isinstance(p, IntKey) else p for p in path]
+
+
+def path_of(path: list) -> tuple:
+    return tuple(IntKey(p["key"]) if isinstance(p, dict) else p for p in path)
+
+
 def encode(value: Any) -> Any:
     """A checkpoint's Python value (numbers, strings, tuples, lists, dicts, small
     tensors) as JSON that ``decode`` turns back into an equal value of the same type."""
@@ -243,6 +255,12 @@ def encode(value: Any) -> Any:
         import torch
 
         t = value.detach().cpu().contiguous()
+        if t.numel() * t.element_size() > MAX_VALUE_BYTES:
+            raise CheckpointError(
+                f"a {t.numel() * t.element_size()}-byte tensor that is neither a weight nor "
+                "per-parameter optimizer state cannot be carried in the metadata; pass "
+                "--weights-only to convert the weights alone"
+            )
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {"tensor": dtypes.from_torch(t.dtype), "shape": list(t.shape), "hex": raw.hex()}
     raise CheckpointError(

@@ -17,8 +17,9 @@ from typing import Any
 
 from ..engine import dtypes
 from ..errors import CheckpointError
+from ..sources.state import IntKey
 from .format import TensorSlot
-from .optim_state import SEP, OptimState, decode
+from .optim_state import SEP, OptimState, decode, path_of
 from .reader import FlatCheckpoint
 from .results import Progress, RestoreResult, WrittenFile
 
@@ -60,7 +61,7 @@ def training_items(ckpt: FlatCheckpoint, items: list) -> dict[str, Any]:
                     return ckpt.ranges(sb, start, stop)
 
                 slot = TensorSlot(fqn_of(path), sb.dtype, e.shape)
-                out[tuple(path)] = _Item(slot, (), ranges)
+                out[path_of(path)] = _Item(slot, (), ranges)
     return out
 
 
@@ -75,7 +76,8 @@ def nest(values: dict[tuple, Any]) -> dict:
         node = root
         for step, nxt in zip(path, path[1:]):
             if step not in node:
-                node[step] = _ListNode() if isinstance(nxt, int) else {}
+                is_index = isinstance(nxt, int) and not isinstance(nxt, IntKey)
+                node[step] = _ListNode() if is_index else {}
             node = node[step]
         node[path[-1]] = value
     return _finish(root)
@@ -86,13 +88,13 @@ def _finish(node):
         if sorted(node) != list(range(len(node))):
             raise CheckpointError(f"list indices {sorted(node)} are not 0..{len(node) - 1}")
         return [_finish(node[i]) for i in range(len(node))]
-    if isinstance(node, dict):
-        return {k: _finish(v) for k, v in node.items()}
+    if isinstance(node, dict):  # an IntKey is written as the plain int it stands for
+        return {int(k) if isinstance(k, IntKey) else k: _finish(v) for k, v in node.items()}
     return node
 
 
 def extras_of(optim: OptimState) -> dict[tuple, Any]:
-    return {tuple(path): decode(value) for path, value in optim.extras}
+    return {path_of(path): decode(value) for path, value in optim.extras}
 
 
 def restore_training(

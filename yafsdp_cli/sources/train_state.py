@@ -26,6 +26,9 @@ import torch
 from ..errors import SourceError
 from .dcp_folder import OPTIMIZER_KEYS, DcpReader, cause
 from .loaded import LoadedModel
+from .state import IntKey
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 # A non-weight tensor beyond this is neither per-parameter state nor a counter;
 # carrying it in the metadata would make the header as big as a model.
@@ -60,6 +63,8 @@ def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     reader = loaded.reader
     if isinstance(reader, DcpReader):
         return _from_dcp(reader, loaded.spec.source)
+    if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
+        return _from_torch(loaded)
     return None
 
 
@@ -157,3 +162,76 @@ def _torch_dtype(name: str):
     from ..engine import dtypes
 
     return dtypes.to_torch(name)
+
+
+# ---------------------------------------------------------------- torch.save dicts
+
+
+def _from_torch(loaded: LoadedModel) -> TrainingState | None:
+    """``torch.save({"model": sd, "optimizer": opt.state_dict(), ...})``: the
+    optimizer's parameter numbers named through ``--model``'s ``parameters()`` order
+    (the order ``torch.optim.AdamW(model.parameters())`` numbers them in)."""
+    from .torch_file import _NESTED_KEYS, TensorDictReader, load_torch_file
+
+    where = loaded.spec.source
+    obj, _ = load_torch_file(loaded.path, trust_pickle=False)
+    if not isinstance(obj, dict):
+        return None
+    opt_key = next((k for k in OPTIMIZER_KEYS if isinstance(obj.get(k), dict)), None)
+    model_key = next((k for k in _NESTED_KEYS if isinstance(obj.get(k), dict)), None)
+    if opt_key is None or model_key is None:
+        return None
+    osd = obj[opt_key]
+    names = _param_names(loaded, osd, where)
+    tensors, scalars, extras, found = [], {}, [], {}
+    for pid, fields in osd.get("state", {}).items():
+        param = names[pid]
+        for field, value in fields.items():
+            path = (opt_key, "state", IntKey(pid), field)
+            if isinstance(value, torch.Tensor) and field != "step":
+                key = f"{pid}.{field}"
+                found[key] = value
+                dtype = _dtype_name(value.dtype)
+                tensors.append(StateTensor(param, field, path, key, dtype, tuple(value.shape)))
+            else:
+                scalars.setdefault(param, {})[field] = value
+                extras.append((path, value))
+    extras += [((opt_key, k), v) for k, v in osd.items() if k != "state"]
+    extras += [((k,), v) for k, v in obj.items() if k not in (opt_key, model_key)]
+    if "state" in osd and not osd["state"]:
+        extras.append(((opt_key, "state"), {}))
+    reader = TensorDictReader(found) if found else None
+    return TrainingState("pt", (model_key,), tuple(tensors), scalars, tuple(extras), reader, where)
+
+
+def _param_names(loaded: LoadedModel, osd: dict, where: str) -> dict[int, str]:
+    """optimizer parameter number -> parameter name."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
+        raise SourceError(
+            f"{where}: the optimizer entry has no 'state' and 'param_groups'; not an "
+            "optimizer.state_dict()"
+        )
+    ids = [p for g in groups for p in g.get("params", [])]
+    if not all(isinstance(p, int) for p in ids):
+        return {p: str(p) for p in ids}  # already named
+    module = loaded.module
+    if module is None:
+        raise SourceError(
+            f"{where}: the optimizer state numbers its parameters (0..{len(ids) - 1}); give "
+            "the architecture with --model package.module:factory so they can be named, or "
+            "pass --weights-only"
+        )
+    params = [n for n, _ in module.named_parameters()]
+    if len(params) != len(ids):
+        raise SourceError(
+            f"{where}: the optimizer holds {len(ids)} parameters, but --model has "
+            f"{len(params)}; the optimizer was not built over model.parameters()"
+        )
+    return dict(zip(ids, params))
+
+
+def _dtype_name(dtype) -> str:
+    from ..engine import dtypes
+
+    return dtypes.from_torch(dtype)
