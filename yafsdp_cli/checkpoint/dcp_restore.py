@@ -108,7 +108,7 @@ def _samefile(a: Path, b: Path) -> bool:
 def write_dcp(
     folder: Path, items: dict, progress: Progress | None = None, state: dict | None = None
 ) -> None:
-    """``dcp.save`` of ``items`` (name -> ``restore._Item``: slot and byte source) into
+    """``dcp.save`` of ``items`` (name -> ``reader.StateDictItem``: slot and byte source) into
     the empty ``folder``. ``state`` is the (nested) state dict to save when it is more
     than ``items``: meta tensors where ``items`` has the flattened key, plain values
     (step counts, param groups) saved as they are."""

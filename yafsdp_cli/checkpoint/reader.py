@@ -11,7 +11,7 @@ trusted before both have passed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from .format import (
     READ_VERSIONS,
     STATE_VERSION,
     STREAM_CHUNK,
+    TensorSlot,
     algo_of,
     checksum_of,
     int_field,
@@ -140,6 +141,19 @@ def read_chunks(
 ) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
     return _read_file_chunks(path, offset, nbytes, chunk, error=CheckpointError)
+
+
+@dataclass(frozen=True, slots=True)
+class StateDictItem:
+    """One tensor of a restored state dict and where its bytes are."""
+
+    slot: TensorSlot
+    aliases: tuple[str, ...]
+    ranges: Callable[[], Iterable[FileRange]]  # -> where its bytes lie
+
+    def read(self) -> Iterator[memoryview]:
+        for fr in self.ranges():
+            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
 
 
 # ------------------------------------------------------------------ opening
@@ -354,4 +368,11 @@ def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item, optim_
     return _match(header, layout, layout.world_size, sums, optim)
 
 
-__all__ = ["FlatCheckpoint", "StoredTensor", "layout_text", "open_flat", "read_chunks"]
+__all__ = [
+    "FlatCheckpoint",
+    "StateDictItem",
+    "StoredTensor",
+    "layout_text",
+    "open_flat",
+    "read_chunks",
+]

@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from ..sources.state import IntKey
 from .format import TensorSlot
 from .optim_state import SEP, OptimState, decode, path_of
-from .reader import FlatCheckpoint
+from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, WrittenFile
 
 FORMS = {"dcp": "dcp", "pt": "pt"}  # record form -> restore --format
@@ -42,9 +42,7 @@ def fqn_of(path) -> str:
 
 
 def training_items(ckpt: FlatCheckpoint, items: list) -> dict[str, Any]:
-    """key path -> item (``restore._Item``) for weights (every name) and state tensors."""
-    from .restore import _Item
-
+    """key path -> item (``StateDictItem``) for weights (every name) and state tensors."""
     optim = ckpt.optim
     out: dict[tuple, Any] = {}
     for it in items:
@@ -61,7 +59,7 @@ def training_items(ckpt: FlatCheckpoint, items: list) -> dict[str, Any]:
                     return ckpt.ranges(sb, start, stop)
 
                 slot = TensorSlot(fqn_of(path), sb.dtype, e.shape)
-                out[path_of(path)] = _Item(slot, (), ranges)
+                out[path_of(path)] = StateDictItem(slot, (), ranges)
     return out
 
 
