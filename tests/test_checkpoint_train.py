@@ -17,11 +17,13 @@ from helpers import build
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
+    set_optimizer_state_dict,
 )
 from typer.testing import CliRunner
 
 from yafsdp_cli.checkpoint import open_flat, restore_checkpoint
 from yafsdp_cli.cli import app
+from yafsdp_cli.engine.inputs import make_input, projection_loss
 
 runner = CliRunner()
 FIXTURE = Path(__file__).parent / "fixtures" / "flat-v1-mlp.safetensors"
@@ -236,3 +238,40 @@ def test_torch_save_optimizer_needs_an_architecture(tmp_path):
     assert "give the architecture with --model" in " ".join(result.output.split())
     assert not flat.exists()
     assert run("convert", src, "-o", flat, "--weights-only").exit_code == 0
+
+
+def _train(model, opt, first: int, steps: int) -> list[float]:
+    """Seeded steps ``first .. first + steps - 1``; the loss of each."""
+    losses = []
+    for step in range(first, first + steps):
+        loss = projection_loss(model(make_input(model, seed=step)), seed=step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resume_after_reshard_continues_bit_exactly(tmp_path):
+    """3 AdamW steps, saved as torchtitan does, converted for 4 ranks, resharded to 3,
+    restored and loaded into a fresh model: 3 more steps give the losses of 6 steps
+    run without a break (one process: the checkpoint path, not a sharded run)."""
+    model = build("gpt")
+    unbroken = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 6)
+    model = build("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert _train(model, opt, 0, 3) == unbroken[:3]
+    src, flat, re3, back = (tmp_path / n for n in ("src", "flat", "re3", "back"))
+    save_dcp(src, {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)})
+    assert run("convert", src, "-o", flat, "-n", "4", "--sharded").exit_code == 0
+    assert run("reshard", flat, "-n", "3", "--sharded", "-o", re3).exit_code == 0
+    assert run("restore", re3, "-o", back, "--format", "dcp").exit_code == 0
+    fresh = build("gpt", seed=9)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = {"model": fresh.state_dict(), "optimizer": get_optimizer_state_dict(fresh, fresh_opt)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(back), no_dist=True)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optimizer"])
+    assert _train(fresh, fresh_opt, 3, 3) == unbroken[3:]
