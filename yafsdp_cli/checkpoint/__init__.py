@@ -21,7 +21,8 @@ calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksum
 data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
 safetensors file, staged outputs), ``copy`` and ``direct`` (moving bytes by file
 ranges), ``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore``,
-``optim_state`` and ``train_restore`` (optimizer state), and ``results``. It may
+``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
+(AdamW on a ``FlatModel``'s buffers from and to a checkpoint), and ``results``. It may
 import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
 ``report`` import it.
 

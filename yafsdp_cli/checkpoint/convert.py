@@ -13,16 +13,17 @@ the weights; ``weights_only`` leaves it out (a version 1 checkpoint, as before).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
-from ..sources.train_state import TrainingState, read_training_state
 from .copy import Copier, FileRange
 from .flat_writer import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
@@ -121,7 +122,7 @@ def write_converted(
     check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
-    training = None if weights_only else read_training_state(loaded)
+    training = None if weights_only else _training_state(loaded)
     optim = optim_from(training, layout) if training is not None else None
     reads = _Reads(loaded, training, optim.state_buffers(layout) if optim else ())
     name = Path(loaded.spec.source).name if loaded.path else loaded.spec.source
@@ -159,6 +160,17 @@ def write_converted(
     )
 
 
+def _training_state(loaded: LoadedModel):
+    """The source's optimizer state and other entries (``sources.train_state``), or
+    None. Only DCP folders and torch files hold any, and loading either imports torch,
+    so without torch loaded there is none, and a safetensors convert stays torch-free."""
+    if "torch" not in sys.modules:
+        return None
+    from ..sources.train_state import read_training_state
+
+    return read_training_state(loaded)
+
+
 def with_weights(loaded: LoadedModel) -> LoadedModel:
     """A source with a reader: ``--model`` alone is built for real (seeded)."""
     if loaded.reader is not None:
@@ -187,7 +199,7 @@ class _Reads:
     """The source's bytes for layout entries and kept tensors, counted."""
 
     loaded: LoadedModel
-    training: TrainingState | None = None
+    training: Any = None  # sources.train_state.TrainingState
     state_buffers: tuple[BufferLayout, ...] = ()
     total: int = 0
 
