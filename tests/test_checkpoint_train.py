@@ -313,3 +313,24 @@ def test_flat_adamw_resumes_from_a_resharded_flat_checkpoint(tmp_path):
     e = b.layout.entries[0]
     want = opt.state[flat.buffers[0].param]["exp_avg"][e.offset : e.offset + e.numel]
     assert torch.equal(back["optimizer"]["state"][e.name]["exp_avg"].reshape(-1), want)
+
+
+def test_flat_adamw_refuses_a_weights_only_checkpoint(tmp_path):
+    from yafsdp_cli import CheckpointError
+    from yafsdp_cli.checkpoint.flat_training import flat_adamw
+
+    _, flat = _flat_gpt()
+    ckpt = open_flat(FIXTURE)  # weights only (and another model)
+    with pytest.raises(CheckpointError, match="holds no AdamW state"):
+        flat_adamw(flat, ckpt, lr=1e-2)
+
+
+def test_torch_save_optimizer_over_some_parameters_is_refused(tmp_path):
+    """Numbers that do not cover ``parameters()`` cannot be named by its order."""
+    src, flat = tmp_path / "ckpt.pt", tmp_path / "flat.safetensors"
+    model = build("mlp")
+    opt = torch.optim.AdamW(list(model.parameters())[:4], lr=1e-2)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    result = run("convert", src, "--model", "sample_models.models:mlp", "-o", flat)
+    assert result.exit_code == 2 and not flat.exists()
+    assert "the optimizer holds 4 parameters, but --model has 6" in " ".join(result.output.split())
