@@ -61,6 +61,13 @@ class TrainingState:
 def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     """The training state of ``loaded``'s source, or None when it holds weights only."""
     reader = loaded.reader
+    folder = loaded.path if loaded.path is not None and loaded.path.is_dir() else None
+    if folder is not None and (folder / "optimizer.pt").is_file():
+        raise SourceError(
+            f"{folder}: a Trainer checkpoint; its optimizer.pt (the Trainer numbers "
+            "parameters by its own weight-decay groups) is not read by this yafsdp; pass "
+            "--weights-only to convert the weights alone"
+        )
     if isinstance(reader, DcpReader):
         return _from_dcp(reader, loaded.spec.source)
     if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
