@@ -37,10 +37,18 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def restored(saved):
-    """The nested save through yafsdp: DCP -> flat (world size 4) -> DCP."""
+    """The nested save's weights through yafsdp: DCP -> flat (world size 4) -> DCP."""
     out, _ = saved
     run("convert", out / "nested", "-o", out / "flat.safetensors", "-n", "4", "--verify")
-    run("restore", out / "flat.safetensors", "-o", out / "restored", "--format", "dcp")
+    run(
+        "restore",
+        out / "flat.safetensors",
+        "-o",
+        out / "restored",
+        "--format",
+        "dcp",
+        "--weights-only",
+    )
     return out / "restored"
 
 
@@ -65,14 +73,31 @@ def test_inspect_reads_what_fsdp2_saved(saved):
 
 def test_convert_and_restore_are_bit_exact(saved, restored, tmp_path):
     out, reference = saved
-    run("restore", out / "flat.safetensors", "-o", tmp_path / "back.safetensors")
-    assert_same_tensors(load_st(tmp_path / "back.safetensors"), reference)
+    back = tmp_path / "back.safetensors"
+    run("restore", out / "flat.safetensors", "-o", back, "--weights-only")
+    assert_same_tensors(load_st(back), reference)
     assert_same_tensors(load_dcp_tensors(restored, reference), reference)
     # DCP -> flat -> DCP: the same bytes as what FSDP2 saved (the top-level save)
     assert_same_tensors(
         load_dcp_tensors(restored, reference), load_dcp_tensors(out / "top", reference)
     )
     run("verify", out / "nested", "--model", FACTORY, "--steps", "1")
+
+
+def test_the_whole_training_checkpoint_comes_back_in_its_nesting(saved, tmp_path):
+    """What FSDP2 saved (model, AdamW state, train_state) -> flat (4 ranks) -> reshard
+    (3) -> DCP: every tensor under its own key, bit for bit."""
+    from yafsdp_cli.sources.dcp_meta import read_dcp_metadata
+
+    out, _ = saved
+    flat, re3, back = tmp_path / "flat", tmp_path / "re3", tmp_path / "back"
+    run("convert", out / "nested", "-o", flat, "-n", "4", "--sharded")
+    run("reshard", flat, "-n", "3", "--sharded", "-o", re3)
+    run("restore", re3, "-o", back, "--format", "dcp")
+    src, got = read_dcp_metadata(out / "nested"), read_dcp_metadata(back)
+    assert set(got.tensors) == set(src.tensors) and set(got.non_tensors) == set(src.non_tensors)
+    like = {k: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for k, t in src.tensors.items()}
+    assert_same_tensors(load_dcp_tensors(back, like), load_dcp_tensors(out / "nested", like))
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -96,7 +121,7 @@ def test_a_hugging_face_config_beside_dcp_weights(saved, tmp_path):
     assert doc["params"]["shared"] == [
         {"name": "model.embed_tokens.weight", "aliases": ["lm_head.weight"]}
     ]
-    run("convert", folder, "-o", tmp_path / "flat.safetensors", "--verify")
+    run("convert", folder, "-o", tmp_path / "flat.safetensors", "--verify", "--weights-only")
     run("restore", tmp_path / "flat.safetensors", "-o", tmp_path / "back.safetensors")
     back = load_st(tmp_path / "back.safetensors")  # the tie stored once, as save_model does
     assert_same_tensors(back, {k: v for k, v in reference.items() if k != "lm_head.weight"})

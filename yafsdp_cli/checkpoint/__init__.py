@@ -10,13 +10,20 @@ buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
 ``restore_checkpoint(..., fmt="dcp")`` writes a torch.distributed.checkpoint folder
 instead (``dcp_restore.py``), for FSDP2 and torchtitan.
 
+A training checkpoint (DCP ``{"model", "optimizer", ...}``, or a ``torch.save`` dict
+of the same) keeps its optimizer state: each state tensor a flat buffer
+``BUFFER@FIELD`` with its parameters' layout, the rest JSON in the metadata
+(``optim_state.py``, format version 2); reshard moves it with the weights, and
+restore writes the source's own layout back (``train_restore.py``).
+
 Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
 calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
 data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
-safetensors file, staged outputs), ``copy`` (moving bytes by file ranges),
-``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore`` and
-``results``. It may import ``sources``, ``engine``, ``fileio`` and ``errors``; only
-``cli`` and ``report`` import it.
+safetensors file, staged outputs), ``copy`` (moving bytes by file ranges), ``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore``,
+``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
+(AdamW on a ``FlatModel``'s buffers from and to a checkpoint), and ``results``. It may
+import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
+``report`` import it.
 
 Everything streams: no function here holds a model, and none imports torch except
 ``restore`` to ``.pt`` (and a source that needs it, such as a ``.pt`` state dict).

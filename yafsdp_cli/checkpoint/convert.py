@@ -5,13 +5,19 @@ safetensors source each entry is a range of the source file (neighbours merged
 into one range, ``copy.coalesce``), copied file to file and checksummed in one
 pass (``copy.Copier``; torch is not even imported); other sources stream their
 bytes (``loaded.reader.iter_bytes``). The model is never held in memory.
+
+A training checkpoint's optimizer state (``sources.train_state``) is checked whole
+against the layout first, then written as state buffers (``optim_state.py``) beside
+the weights; ``weights_only`` leaves it out (a version 1 checkpoint, as before).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
@@ -21,6 +27,7 @@ from ..sources import LoadedModel, load_source
 from .copy import Copier, FileRange
 from .flat_writer import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
+from .optim_state import SEP, optim_from
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
 from .writer import check_flat_name, check_output, staged_output
@@ -45,6 +52,7 @@ def convert_checkpoint(
     verify: bool = False,
     model_check: ModelCheck | None = None,
     progress: Progress | None = None,
+    weights_only: bool = False,
 ) -> ConvertResult:
     """Load ``source`` (and/or ``--model``), plan its layout and write the checkpoint.
 
@@ -80,6 +88,7 @@ def convert_checkpoint(
         model_check=model_check,
         progress=progress,
         selection=selection,
+        weights_only=weights_only,
     )
 
 
@@ -102,6 +111,7 @@ def write_converted(
     model_check: ModelCheck | None = None,
     progress: Progress | None = None,
     selection: dict | None = None,
+    weights_only: bool = False,
 ) -> ConvertResult:
     """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``.
 
@@ -112,7 +122,9 @@ def write_converted(
     check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
-    reads = _Reads(loaded)
+    training = None if weights_only else _training_state(loaded)
+    optim = optim_from(training, layout) if training is not None else None
+    reads = _Reads(loaded, training, optim.state_buffers(layout) if optim else ())
     name = Path(loaded.spec.source).name if loaded.path else loaded.spec.source
     with staged_output(out, folder=sharded) as staged:
         info = write_flat(
@@ -126,6 +138,7 @@ def write_converted(
             progress=progress,
             final=out,
             copier=Copier(record=True),  # a kept tensor copied to N ranks is read once
+            optim=optim,
         )
         bytes_read = reads.total
         check = (
@@ -145,6 +158,17 @@ def write_converted(
         notes=tuple(loaded.spec.notes),
         verify=check,
     )
+
+
+def _training_state(loaded: LoadedModel):
+    """The source's optimizer state and other entries (``sources.train_state``), or
+    None. Only DCP folders and torch files hold any, and loading either imports torch,
+    so without torch loaded there is none, and a safetensors convert stays torch-free."""
+    if "torch" not in sys.modules:
+        return None
+    from ..sources.train_state import read_training_state
+
+    return read_training_state(loaded)
 
 
 def with_weights(loaded: LoadedModel) -> LoadedModel:
@@ -175,7 +199,17 @@ class _Reads:
     """The source's bytes for layout entries and kept tensors, counted."""
 
     loaded: LoadedModel
+    training: Any = None  # sources.train_state.TrainingState
+    state_buffers: tuple[BufferLayout, ...] = ()
     total: int = 0
+
+    def __post_init__(self):
+        self._state_keys = {}  # (entry name, field) -> the training state reader's key
+        if self.training is not None:
+            owner = {n: e.name for b in self.state_buffers for e in b.entries for n in e.names}
+            for t in self.training.tensors:
+                self._state_keys[(owner.get(t.param, t.param), t.field)] = t.key
+        self._state_names = {b.name for b in self.state_buffers}
 
     def _stored(self, record, nbytes: int) -> str:
         stored = self.loaded.stored_name(record)
@@ -210,13 +244,31 @@ class _Reads:
             raise SourceError(f"{self.loaded.spec.source}: {stored!r} ended after {seen} bytes")
         self.total += nbytes
 
+    def state(self, e, field: str, nbytes: int) -> Iterator:
+        """One entry's state ``field`` (zeros where the optimizer keeps none)."""
+        key = self._state_keys.get((e.name, field))
+        if key is None:
+            yield from zeros(nbytes)
+            return
+        seen = 0
+        for chunk in self.training.reader.iter_bytes(key, STREAM_CHUNK):
+            seen += len(chunk)
+            yield chunk
+        if seen != nbytes:
+            raise SourceError(f"{self.training.where}: {key!r} holds {seen} bytes, not {nbytes}")
+        self.total += nbytes
+
     def buffer(self, b: BufferLayout) -> Iterator[memoryview]:
         """The whole logical buffer: entries in flat order, zeros between and after."""
         isz = dtypes.itemsize(b.dtype)
+        field = b.name.rpartition(SEP)[2] if b.name in self._state_names else None
         pos = 0
         for e in b.entries:
             yield from zeros((e.offset - pos) * isz)
-            yield from self.pieces(e, e.numel * isz)
+            if field is None:
+                yield from self.pieces(e, e.numel * isz)
+            else:
+                yield from self.state(e, field, e.numel * isz)
             pos = e.offset + e.numel
         yield from zeros((b.padded_numel - pos) * isz)
 

@@ -105,16 +105,21 @@ def _samefile(a: Path, b: Path) -> bool:
         return False
 
 
-def write_dcp(folder: Path, items: dict, progress: Progress | None = None) -> None:
-    """``dcp.save`` of ``items`` (name -> ``restore._Item``: slot and byte source) into
-    the empty ``folder``."""
+def write_dcp(
+    folder: Path, items: dict, progress: Progress | None = None, state: dict | None = None
+) -> None:
+    """``dcp.save`` of ``items`` (name -> ``reader.StateDictItem``: slot and byte source) into
+    the empty ``folder``. ``state`` is the (nested) state dict to save when it is more
+    than ``items``: meta tensors where ``items`` has the flattened key, plain values
+    (step counts, param groups) saved as they are."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    state = {
-        name: torch.empty(it.slot.shape, dtype=dtypes.to_torch(it.slot.dtype), device="meta")
-        for name, it in items.items()
-    }
+    if state is None:
+        state = {
+            name: torch.empty(it.slot.shape, dtype=dtypes.to_torch(it.slot.dtype), device="meta")
+            for name, it in items.items()
+        }
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ..sources.dcp_folder import cause
@@ -147,7 +152,9 @@ def _planner(items: dict, progress: Progress | None):
         done = 0
 
         def resolve_data(self, write_item):
-            item = items[write_item.index.fqn]
+            item = items.get(write_item.index.fqn)
+            if item is None:  # a plain value of the state dict
+                return super().resolve_data(write_item)
             tensor = read_tensor(item)
             self.done += item.slot.nbytes
             if progress is not None:

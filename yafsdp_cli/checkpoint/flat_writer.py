@@ -8,6 +8,9 @@ tensor, its pieces. ``write_flat`` routes each buffer's pieces to the rank files
 cutting a range only where a shard ends, and copies every kept tensor into every
 rank file, so each rank loads exactly one self-contained file.
 
+With optimizer state (``optim``), each state buffer (``optim_state.py``) is one
+more buffer to the writer: routed to the rank files with its parameters' shards.
+
 Every file has the same tensors in the same data order (``format.data_order``),
 and buffers are streamed in that order, so each file is appended front to back
 while only one file handle is open at a time.
@@ -33,6 +36,7 @@ from .format import (
     KEY_FORMAT,
     KEY_LAYOUT,
     KEY_LAYOUT_SUM,
+    KEY_OPTIM,
     KEY_RANK,
     KEY_SHARDS,
     KEY_SOURCE,
@@ -40,12 +44,14 @@ from .format import (
     KEY_VERSION,
     KIND_FLAT,
     KIND_SHARD,
+    STATE_VERSION,
     TensorSlot,
     checksum_of,
     data_order,
     layout_text,
     rank_file_name,
 )
+from .optim_state import OptimState
 from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
 from .writer import FileWriter
 
@@ -57,9 +63,16 @@ def stored_kept(layout: Layout) -> tuple[TensorRecord, ...]:
     return tuple(t for t in layout.kept if t.persistent)
 
 
-def file_slots(layout: Layout, shards: int) -> list[TensorSlot]:
+def all_buffers(layout: Layout, optim: OptimState | None) -> tuple[BufferLayout, ...]:
+    """The parameter buffers, then the optimizer's state buffers (if any)."""
+    return layout.buffers + (optim.state_buffers(layout) if optim is not None else ())
+
+
+def file_slots(layout: Layout, shards: int, optim: OptimState | None = None) -> list[TensorSlot]:
     """The tensors of each file (every rank file has the same), in data order."""
-    slots = [TensorSlot(b.name, b.dtype, (b.padded_numel // shards,)) for b in layout.buffers]
+    slots = [
+        TensorSlot(b.name, b.dtype, (b.padded_numel // shards,)) for b in all_buffers(layout, optim)
+    ]
     slots += [TensorSlot(t.name, t.dtype, t.shape) for t in stored_kept(layout)]
     return data_order(slots)
 
@@ -69,11 +82,15 @@ def zeros(nbytes: int) -> Iterator[Zeros]:
         yield Zeros(nbytes)
 
 
-def base_metadata(layout: Layout, source: str, source_metadata: dict[str, str]) -> dict:
+def base_metadata(
+    layout: Layout, source: str, source_metadata: dict[str, str], optim: OptimState | None = None
+) -> dict:
     text = layout_text(layout)
+    extra = {KEY_OPTIM: optim.text()} if optim is not None else {}
     return {
         "format": "pt",
-        KEY_VERSION: str(FORMAT_VERSION),
+        KEY_VERSION: str(STATE_VERSION if optim is not None else FORMAT_VERSION),
+        **extra,
         KEY_LAYOUT: text,
         KEY_LAYOUT_SUM: checksum_of(text.encode()),
         KEY_SOURCE: source,
@@ -103,14 +120,16 @@ def write_flat(
     progress: Progress | None = None,
     final: Path | None = None,
     copier: Copier | None = None,
+    optim: OptimState | None = None,
 ) -> CheckpointInfo:
     """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
     folder when ``sharded``); paths in the result use ``final`` (the name it will
-    be renamed to). ``copier`` moves the file ranges (a new one if not given)."""
+    be renamed to). ``copier`` moves the file ranges (a new one if not given).
+    With ``optim``, ``buffer_bytes`` is also asked for each state buffer."""
     final = final or target
     shards = layout.world_size if sharded else 1
-    slots = file_slots(layout, shards)
-    meta = base_metadata(layout, source, dict(source_metadata or {}))
+    slots = file_slots(layout, shards, optim)
+    meta = base_metadata(layout, source, dict(source_metadata or {}), optim)
     paths = [target / rank_file_name(r, shards) for r in range(shards)] if sharded else [target]
     writers: list[FileWriter] = []
     try:
@@ -120,7 +139,8 @@ def write_flat(
             writers.append(FileWriter(path, slots, md))
             writers[-1].suspend()
         feed = _Feed(copier or Copier(), _Switch(), None)
-        _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress, feed)
+        buffers = {b.name: b for b in all_buffers(layout, optim)}
+        _fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, progress, feed)
         for w in writers:
             w.finish()
     finally:
@@ -131,8 +151,7 @@ def write_flat(
     return _info(final, layout, sharded, writers)
 
 
-def _fill(writers, layout, slots, shards, buffer_bytes, kept_bytes, progress, feed) -> None:
-    buffers = {b.name: b for b in layout.buffers}
+def _fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, progress, feed):
     kept = {t.name: t for t in stored_kept(layout)}
     feed.tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
     for slot in slots:
@@ -210,7 +229,7 @@ def _broadcast(writers, name: str, pieces: Pieces, feed: _Feed) -> None:
 def _write_index(folder: Path, layout: Layout, writers, meta: dict) -> None:
     index = {
         "format": INDEX_FORMAT,
-        "version": FORMAT_VERSION,
+        "version": int(meta[KEY_VERSION]),
         "world_size": layout.world_size,
         "checksum": CHECKSUM_ALGO,
         "layout_checksum": meta[KEY_LAYOUT_SUM],
@@ -222,6 +241,8 @@ def _write_index(folder: Path, layout: Layout, writers, meta: dict) -> None:
         ],
         "layout": json.loads(meta[KEY_LAYOUT]),
     }
+    if KEY_OPTIM in meta:
+        index["optimizer"] = meta[KEY_OPTIM]
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
 
 

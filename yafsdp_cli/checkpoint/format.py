@@ -16,7 +16,13 @@ key                         value
 ``yafsdp.shards``           rank files only: how many rank files the set has
 ``yafsdp.source``           file name of the source (information only)
 ``yafsdp.source_metadata``  JSON of the source's own ``__metadata__``
+``yafsdp.optimizer``        version 2 only: the optimizer record (``optim_state.py``);
+                            its state buffers ``BUFFER@FIELD`` are tensors beside
+                            the buffers, split into the same shards
 =========================== ==================================================
+
+A weights-only checkpoint is written as version 1, byte for byte what a reader of
+version 1 expects; version 2 adds the optimizer record and its state buffers.
 
 A sharded set is a folder holding ``rank-RRRRR-of-NNNNN.safetensors`` and
 ``yafsdp.index.json`` (``IndexDoc`` below).
@@ -34,6 +40,8 @@ from ..errors import CheckpointError
 from .crc import crc32, crc32_combine, crc32_zeros
 
 FORMAT_VERSION = 1
+STATE_VERSION = 2  # the version of a checkpoint that carries optimizer state
+READ_VERSIONS = (FORMAT_VERSION, STATE_VERSION)
 KIND_FLAT = "flat"
 KIND_SHARD = "flat-shard"
 INDEX_NAME = "yafsdp.index.json"
@@ -48,6 +56,7 @@ KEY_RANK = "yafsdp.rank"
 KEY_SHARDS = "yafsdp.shards"
 KEY_SOURCE = "yafsdp.source"
 KEY_SOURCE_META = "yafsdp.source_metadata"
+KEY_OPTIM = "yafsdp.optimizer"
 YAFSDP_KEYS = (
     KEY_FORMAT,
     KEY_VERSION,
@@ -58,6 +67,7 @@ YAFSDP_KEYS = (
     KEY_SHARDS,
     KEY_SOURCE,
     KEY_SOURCE_META,
+    KEY_OPTIM,
 )
 
 # Checksum: CRC-32 (zlib), written as "crc32:%08x". Throughput on an AMD EPYC with

@@ -11,7 +11,7 @@ trusted before both have passed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +22,15 @@ from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json
 from ..sources.safetensors_file import StHeader, read_header
 from .copy import Copier, FileRange
-from .flat_writer import file_slots
+from .flat_writer import all_buffers, file_slots
 from .format import (
-    FORMAT_VERSION,
     INDEX_FORMAT,
     INDEX_NAME,
     KEY_CHECKSUMS,
     KEY_FORMAT,
     KEY_LAYOUT,
     KEY_LAYOUT_SUM,
+    KEY_OPTIM,
     KEY_RANK,
     KEY_SHARDS,
     KEY_SOURCE,
@@ -38,7 +38,10 @@ from .format import (
     KEY_VERSION,
     KIND_FLAT,
     KIND_SHARD,
+    READ_VERSIONS,
+    STATE_VERSION,
     STREAM_CHUNK,
+    TensorSlot,
     algo_of,
     checksum_of,
     int_field,
@@ -48,6 +51,7 @@ from .format import (
     rank_file_name,
 )
 from .integrity import StoredTensor, Ticks, digest_of, padding
+from .optim_state import OptimState, parse_optim
 from .results import Progress
 
 
@@ -60,6 +64,12 @@ class FlatCheckpoint:
     index: Path | None = None
     source_metadata: dict[str, str] = field(default_factory=dict)
     source: str = ""  # the original source's file name, as recorded
+    optim: OptimState | None = None  # version 2: the optimizer record
+
+    @property
+    def all_buffers(self) -> tuple[BufferLayout, ...]:
+        """Parameter buffers, then state buffers."""
+        return all_buffers(self.layout, self.optim)
 
     @property
     def sharded(self) -> bool:
@@ -107,7 +117,7 @@ class FlatCheckpoint:
         a sparse file are zeros by definition, so they are not read). Ranges that
         ``copier`` already copied (its ledger has their CRC-32) are not read again.
         Returns how many tensors were checked; raises ``CheckpointError``."""
-        buffers = {b.name: b for b in self.layout.buffers}
+        buffers = {b.name: b for b in self.all_buffers}
         copier = copier or Copier()
         tick = Ticks(progress, self.nbytes)
         count = 0
@@ -131,6 +141,19 @@ def read_chunks(
 ) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``path`` from ``offset``; each chunk valid until the next."""
     return _read_file_chunks(path, offset, nbytes, chunk, error=CheckpointError)
+
+
+@dataclass(frozen=True, slots=True)
+class StateDictItem:
+    """One tensor of a restored state dict and where its bytes are."""
+
+    slot: TensorSlot
+    aliases: tuple[str, ...]
+    ranges: Callable[[], Iterable[FileRange]]  # -> where its bytes lie
+
+    def read(self) -> Iterator[memoryview]:
+        for fr in self.ranges():
+            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
 
 
 # ------------------------------------------------------------------ opening
@@ -170,11 +193,29 @@ def _open_file(path: Path) -> FlatCheckpoint:
         )
     _check_version(md.get(KEY_VERSION), path)
     layout = parse_layout(_need(md, KEY_LAYOUT, path), str(path), _need(md, KEY_LAYOUT_SUM, path))
+    optim = _optim(md.get(KEY_OPTIM), md.get(KEY_VERSION), str(path), layout)
     sums = json_field(md, KEY_CHECKSUMS, str(path), dict)
-    tensors = _match(header, layout, 1, sums)
+    tensors = _match(header, layout, 1, sums, optim)
     return FlatCheckpoint(
-        path, layout, (tensors,), (path,), None, _source_meta(md, path), md.get(KEY_SOURCE, "")
+        path,
+        layout,
+        (tensors,),
+        (path,),
+        None,
+        _source_meta(md, path),
+        md.get(KEY_SOURCE, ""),
+        optim,
     )
+
+
+def _optim(text, version, where: str, layout: Layout) -> OptimState | None:
+    """The optimizer record: present exactly in a version 2 checkpoint."""
+    if (text is not None) != (str(version) == str(STATE_VERSION)):
+        raise CheckpointError(
+            f"{where}: version {version} with{'' if text is not None else 'out'} an optimizer "
+            "record; the metadata is damaged"
+        )
+    return None if text is None else parse_optim(str(text), where, layout)
 
 
 def _need(md: dict[str, str], key: str, path: Path) -> str:
@@ -184,10 +225,10 @@ def _need(md: dict[str, str], key: str, path: Path) -> str:
 
 
 def _check_version(found, where) -> None:
-    if str(found) != str(FORMAT_VERSION):
+    if str(found) not in map(str, READ_VERSIONS):
         raise CheckpointError(
             f"{where}: flat checkpoint format version {found!r}; this yafsdp reads "
-            f"version {FORMAT_VERSION}"
+            f"versions {', '.join(map(str, READ_VERSIONS))}"
         )
 
 
@@ -198,14 +239,17 @@ def _source_meta(md: dict[str, str], path: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
-def _match(header: StHeader, layout: Layout, shards: int, sums: dict) -> dict[str, StoredTensor]:
+def _match(
+    header: StHeader, layout: Layout, shards: int, sums: dict, optim: OptimState | None
+) -> dict[str, StoredTensor]:
     """The file's tensors, which must be exactly the layout's for ``shards`` files."""
     path = header.path
     found = {e.name: e for e in header.entries}
     out = {}
-    for slot in file_slots(layout, shards):
+    buffers = {b.name for b in all_buffers(layout, optim)}
+    for slot in file_slots(layout, shards, optim):
         e = found.pop(slot.name, None)
-        what = "buffer" if slot.name in {b.name for b in layout.buffers} else "kept tensor"
+        what = "buffer" if slot.name in buffers else "kept tensor"
         if e is None:
             raise CheckpointError(f"{path}: {what} {slot.name!r} of the layout is missing")
         if (e.dtype, e.shape) != (slot.dtype, slot.shape):
@@ -240,20 +284,25 @@ def _open_set(index_path: Path) -> FlatCheckpoint:
             f"{index_path}: lists {len(ranks) if isinstance(ranks, list) else 'no'} ranks "
             f"for world size {n}; the index is damaged"
         )
-    files = tuple(_open_rank(index_path, layout, text, r, ranks[r]) for r in range(n))
+    optim_text = index.get("optimizer")
+    optim = _optim(optim_text, index.get("version"), str(index_path), layout)
+    files = tuple(
+        _open_rank(index_path, layout, text, r, ranks[r], optim_text, optim) for r in range(n)
+    )
     paths = tuple(index_path.parent / rank_file_name(r, n) for r in range(n))
-    _check_replicas(index_path, layout, files)
+    _check_replicas(index_path, {b.name for b in all_buffers(layout, optim)}, files)
     meta = index.get("source_metadata") or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{index_path}: 'source_metadata' is not an object")
     source_meta = {str(k): str(v) for k, v in meta.items()}
     source = str(index.get("source", ""))
-    return FlatCheckpoint(index_path.parent, layout, files, paths, index_path, source_meta, source)
+    return FlatCheckpoint(
+        index_path.parent, layout, files, paths, index_path, source_meta, source, optim
+    )
 
 
-def _check_replicas(index_path: Path, layout: Layout, files) -> None:
+def _check_replicas(index_path: Path, buffers: set[str], files) -> None:
     """Every rank file holds the same copy of each kept tensor."""
-    buffers = {b.name for b in layout.buffers}
     for name, t in files[0].items():
         if name in buffers:
             continue
@@ -276,7 +325,7 @@ def _read_index(path: Path) -> dict:
     return index
 
 
-def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item) -> dict:
+def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item, optim_text, optim):
     folder = index_path.parent
     name = item.get("file") if isinstance(item, dict) else None
     if not isinstance(name, str) or item.get("rank") != r or Path(name).name != name:
@@ -301,6 +350,11 @@ def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item) -> dic
             f"{where} has a different layout than the index (mismatched rank layouts); "
             "every rank file must come from the same conversion"
         )
+    if md.get(KEY_OPTIM) != optim_text:
+        raise CheckpointError(
+            f"{where} has different optimizer metadata than the index; every rank file "
+            "must come from the same conversion"
+        )
     if md.get(KEY_LAYOUT_SUM) != checksum_of(text.encode(), algo_of(md.get(KEY_LAYOUT_SUM, ""))):
         raise CheckpointError(f"{where}: the layout checksum does not match the layout")
     sums = json_field(md, KEY_CHECKSUMS, where, dict)
@@ -311,7 +365,14 @@ def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item) -> dic
         )
     if name != rank_file_name(r, layout.world_size):
         raise CheckpointError(f"{where}: expected the name {rank_file_name(r, layout.world_size)}")
-    return _match(header, layout, layout.world_size, sums)
+    return _match(header, layout, layout.world_size, sums, optim)
 
 
-__all__ = ["FlatCheckpoint", "StoredTensor", "layout_text", "open_flat", "read_chunks"]
+__all__ = [
+    "FlatCheckpoint",
+    "StateDictItem",
+    "StoredTensor",
+    "layout_text",
+    "open_flat",
+    "read_chunks",
+]

@@ -6,6 +6,8 @@ the preset and the dtype, so entries keep their offsets and only the end padding
 changes; the data is copied by byte ranges, neighbouring entries as one range
 (``copy.coalesce``), checksummed for the new files and for checking the input in
 the same pass; ``verify`` then reads only what was not copied (padding, replicas).
+Optimizer state buffers share their parameters' entries, so each is moved by the
+same ranges as its parameter buffer, and the optimizer record is carried as is.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def reshard_checkpoint(
     new = relayout(ckpt.layout, world_size)
     check_output(out, inputs=list(ckpt.paths), force=force, folder=sharded)
     copier = Copier(record=True)
-    old = {b.name: b for b in ckpt.layout.buffers}
+    old = {b.name: b for b in ckpt.all_buffers}
     with staged_output(out, folder=sharded) as staged:
         info = write_flat(
             staged.temp,
@@ -89,6 +91,7 @@ def reshard_checkpoint(
             progress=progress,
             final=out,
             copier=copier,
+            optim=ckpt.optim,
         )
         checked = ckpt.verify(progress, copier)  # reads only what was not copied
     return ReshardResult(

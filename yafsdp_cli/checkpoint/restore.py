@@ -11,20 +11,20 @@ name, and the metadata maps each dropped name to the stored one, so
 ``.pt`` output is ``torch.save`` of a dict with every name, tied names sharing one
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
 ``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
+A checkpoint that carries optimizer state is restored in its source's layout, state
+included (``train_restore.py``); ``weights_only`` gives the weights as above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from .copy import Copier, FileRange, coalesce
+from .copy import Copier, coalesce
 from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot, data_order
-from .reader import FlatCheckpoint, open_flat, read_chunks
+from .reader import FlatCheckpoint, StateDictItem, open_flat
 from .results import Progress, RestoreResult, WrittenFile
 from .writer import FileWriter, check_output, staged_output
 
@@ -32,20 +32,7 @@ PT_SUFFIXES = (".pt", ".pth", ".bin")
 FORMATS = ("safetensors", "pt", "dcp")
 
 
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """One tensor of the state dict and where its bytes are."""
-
-    slot: TensorSlot
-    aliases: tuple[str, ...]
-    ranges: Callable[[], Iterable[FileRange]]  # -> where its bytes lie
-
-    def read(self) -> Iterator[memoryview]:
-        for fr in self.ranges():
-            yield from read_chunks(fr.path, fr.offset, fr.nbytes)
-
-
-def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
+def state_dict_items(ckpt: FlatCheckpoint) -> list[StateDictItem]:
     """Entries (flat order) and stored kept tensors, each with its byte source."""
     items = []
     for b in ckpt.layout.buffers:
@@ -56,10 +43,10 @@ def state_dict_items(ckpt: FlatCheckpoint) -> list[_Item]:
             def ranges(b=b, start=start, stop=stop):
                 return ckpt.ranges(b, start, stop)
 
-            items.append(_Item(TensorSlot(e.name, e.dtype, e.shape), e.aliases, ranges))
+            items.append(StateDictItem(TensorSlot(e.name, e.dtype, e.shape), e.aliases, ranges))
     for t in stored_kept(ckpt.layout):
         slot = TensorSlot(t.name, t.dtype, t.shape)
-        items.append(_Item(slot, t.aliases, lambda n=t.name: [ckpt.kept_range(n)]))
+        items.append(StateDictItem(slot, t.aliases, lambda n=t.name: [ckpt.kept_range(n)]))
     return items
 
 
@@ -70,16 +57,23 @@ def restore_checkpoint(
     force: bool = False,
     progress: Progress | None = None,
     fmt: str | None = None,
+    weights_only: bool = False,
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
     to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``; with ``fmt="dcp"`` a
     torch.distributed.checkpoint folder). Every checksum and the zero padding are
     verified before ``out`` appears: for ``.safetensors`` in the same pass as the copy
     (the bytes are read once, checksummed and written to the hidden temporary; a
-    mismatch removes it)."""
+    mismatch removes it). A checkpoint with optimizer state is written in its
+    source's own layout (``train_restore.py``) unless ``weights_only``."""
     out = Path(out)
     fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
+    if ckpt.optim is not None and not weights_only:
+        from .train_restore import restore_training
+
+        items = state_dict_items(ckpt)
+        return restore_training(ckpt, out, fmt, items, force=force, progress=progress)
     if fmt == "dcp":
         from .dcp_restore import restore_dcp
 

@@ -40,6 +40,14 @@ ShardedOpt = Annotated[
         "tensors) and yafsdp.index.json.",
     ),
 ]
+WeightsOnlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--weights-only",
+        help="Leave out a training checkpoint's optimizer state and other entries: "
+        "the weights alone.",
+    ),
+]
 FlatArg = Annotated[
     Path,
     typer.Argument(
@@ -82,6 +90,7 @@ def convert_command(
     ] = False,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
+    weights_only: WeightsOnlyOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -106,6 +115,7 @@ def convert_command(
                 verify=verify,
                 model_check=_model_check if verify else None,
                 progress=bar,
+                weights_only=weights_only,
             )
         if json_out:
             sys.stdout.write(view.convert_json(result) + "\n")
@@ -137,6 +147,7 @@ def restore_command(
             show_default=False,
         ),
     ] = None,
+    weights_only: WeightsOnlyOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -146,7 +157,9 @@ def restore_command(
         from ..report import checkpoint_view as view
 
         with ProgressBar(not json_out) as bar:
-            result = restore_checkpoint(flat, output, force=force, progress=bar, fmt=fmt)
+            result = restore_checkpoint(
+                flat, output, force=force, progress=bar, fmt=fmt, weights_only=weights_only
+            )
         if json_out:
             sys.stdout.write(view.restore_json(result) + "\n")
         else:

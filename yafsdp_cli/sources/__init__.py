@@ -15,9 +15,10 @@ with or without weights, ``torch.export`` programs (``*.pt2``), and
 Modules: ``loaded`` (``LoadedModel``), ``load`` (``load_source``), ``files`` (weight
 files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets),
 ``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders). This package may
-import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
-checkpoint or the CLI.
+``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders),
+``train_state`` (a training checkpoint's optimizer state and other entries, DCP and
+``torch.save``). This package may import ``engine``, ``errors`` and ``fileio``; it
+never imports verify, profiling, checkpoint or the CLI.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def _notes(state: CheckpointState, key: str | None) -> list[str]:
         kind = state.optimizer_kind or "unrecognised"
         notes.append(
             f"it also holds {kind} optimizer state ({names}) for {state.optimizer_params} "
-            "parameters; yafsdp reads and writes the weights only"
+            "parameters; convert carries it as state buffers (--weights-only leaves it out)"
         )
     if state.other:
         notes.append(f"other entries, not read: {', '.join(g.name for g in state.other)}")

@@ -42,3 +42,8 @@ class CheckpointState:
     def state_bytes(self) -> int:
         """Optimizer state proper: every group but the 0-d ``step`` counters."""
         return sum(g.bytes for g in self.optimizer if g.name != "step")
+
+
+class IntKey(int):
+    """A key path step that is an integer dict key (``optimizer.state_dict()``'s
+    parameter numbers), where a plain ``int`` step is a list index."""

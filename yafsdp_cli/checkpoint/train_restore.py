@@ -1,0 +1,167 @@
+"""``restore`` of a checkpoint with optimizer state: the source's own nesting back.
+
+The optimizer record (``optim_state.py``) keeps the key path of the weights, of every
+state tensor and of every other value, so the output is the source's structure: a
+DCP folder with the same top-level entries and namespaces (``model.…``,
+``optimizer.state.…``, ``optimizer.param_groups.…``, ``train_state.…``), which
+``dcp.load({"model": sd, "optimizer": osd}, ...)`` reads as it read the input; or a
+``torch.save`` dict with the same nesting. Weights and state tensors are read from the
+flat buffers by byte ranges (the state of an entry lies at the entry's own offsets in
+its state buffer), bit for bit what the source held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..engine import dtypes
+from ..errors import CheckpointError
+from ..sources.state import IntKey
+from .format import TensorSlot
+from .optim_state import SEP, OptimState, decode, path_of
+from .reader import FlatCheckpoint, StateDictItem
+from .results import Progress, RestoreResult, WrittenFile
+
+FORMS = {"dcp": "dcp", "pt": "pt"}  # record form -> restore --format
+
+
+def check_form(optim: OptimState, fmt: str) -> None:
+    want = FORMS.get(optim.form)
+    if want != fmt:
+        raise CheckpointError(
+            f"this checkpoint carries optimizer state from a {optim.form} checkpoint, which "
+            f"is restored as --format {want}; pass --weights-only for the weights alone "
+            f"as {fmt}"
+        )
+
+
+def fqn_of(path) -> str:
+    """The flattened key ``dcp.save`` gives a value at ``path``."""
+    return ".".join(str(p) for p in path)
+
+
+def training_items(ckpt: FlatCheckpoint, items: list) -> dict[str, Any]:
+    """key path -> item (``StateDictItem``) for weights (every name) and state tensors."""
+    optim = ckpt.optim
+    out: dict[tuple, Any] = {}
+    for it in items:
+        for name in (it.slot.name, *it.aliases):
+            out[(*optim.model_path, name)] = it
+    state_buffers = {b.name: b for b in optim.state_buffers(ckpt.layout)}
+    for b in ckpt.layout.buffers:
+        for e in b.entries:
+            for field, path in optim.paths.get(e.name, {}).items():
+                sb = state_buffers[f"{b.name}{SEP}{field}"]
+                isz = dtypes.itemsize(sb.dtype)
+
+                def ranges(sb=sb, start=e.offset * isz, stop=(e.offset + e.numel) * isz):
+                    return ckpt.ranges(sb, start, stop)
+
+                slot = TensorSlot(fqn_of(path), sb.dtype, e.shape)
+                out[path_of(path)] = StateDictItem(slot, (), ranges)
+    return out
+
+
+class _ListNode(dict):
+    """A list under construction: index -> value."""
+
+
+def nest(values: dict[tuple, Any]) -> dict:
+    """The nested dict (lists where a path step is an int) holding each value."""
+    root: dict = {}
+    for path, value in values.items():
+        node = root
+        for step, nxt in zip(path, path[1:]):
+            if step not in node:
+                is_index = isinstance(nxt, int) and not isinstance(nxt, IntKey)
+                node[step] = _ListNode() if is_index else {}
+            node = node[step]
+        node[path[-1]] = value
+    return _finish(root)
+
+
+def _finish(node):
+    if isinstance(node, _ListNode):
+        if sorted(node) != list(range(len(node))):
+            raise CheckpointError(f"list indices {sorted(node)} are not 0..{len(node) - 1}")
+        return [_finish(node[i]) for i in range(len(node))]
+    if isinstance(node, dict):  # an IntKey is written as the plain int it stands for
+        return {int(k) if isinstance(k, IntKey) else k: _finish(v) for k, v in node.items()}
+    return node
+
+
+def extras_of(optim: OptimState) -> dict[tuple, Any]:
+    return {path_of(path): decode(value) for path, value in optim.extras}
+
+
+def restore_training(
+    ckpt: FlatCheckpoint,
+    out: Path,
+    fmt: str,
+    items: list,
+    *,
+    force: bool,
+    progress: Progress | None,
+) -> RestoreResult:
+    """Write the training checkpoint ``ckpt`` back in its source's layout at ``out``."""
+    check_form(ckpt.optim, fmt)
+    tensors = training_items(ckpt, items)
+    if fmt == "dcp":
+        nbytes, checked = _write_dcp(ckpt, out, tensors, force=force, progress=progress)
+    else:
+        nbytes, checked = _write_pt(ckpt, out, tensors, force=force, progress=progress)
+    return RestoreResult(
+        input=str(ckpt.root),
+        input_world_size=ckpt.layout.world_size,
+        input_sharded=ckpt.sharded,
+        checked=checked,
+        output=WrittenFile(str(out), None, nbytes, {}),
+        format=fmt,
+        tensors=len(tensors),
+        names=len(tensors),
+        tied={},
+    )
+
+
+def _write_dcp(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:
+    import torch
+
+    from .dcp_restore import check_dcp_name, check_dcp_output, write_dcp
+    from .writer import staged_output
+
+    check_dcp_name(out)
+    check_dcp_output(out, inputs=list(ckpt.paths), force=force)
+    checked = ckpt.verify(progress)
+    values = {
+        path: torch.empty(it.slot.shape, dtype=dtypes.to_torch(it.slot.dtype), device="meta")
+        for path, it in tensors.items()
+    }
+    values.update(extras_of(ckpt.optim))
+    by_fqn = {fqn_of(path): it for path, it in tensors.items()}
+    with staged_output(out, folder=True) as staged:
+        write_dcp(staged.temp, by_fqn, progress, state=nest(values))
+        nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
+    return nbytes, checked
+
+
+def _write_pt(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:
+    import torch
+
+    from .dcp_restore import read_tensor
+    from .writer import check_output, staged_output
+
+    check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
+    checked = ckpt.verify(progress)
+    read: dict[int, Any] = {}  # one tensor per item: tied names share it, as in the model
+    values = {}
+    for path, it in tensors.items():
+        if id(it) not in read:
+            read[id(it)] = read_tensor(it)
+        values[path] = read[id(it)]
+    values.update(extras_of(ckpt.optim))
+    with staged_output(out, folder=False) as staged:
+        with open(staged.temp, "xb") as f:
+            torch.save(nest(values), f)
+        nbytes = staged.temp.stat().st_size
+    return nbytes, checked

@@ -1,0 +1,244 @@
+"""A training checkpoint's state beside its weights: optimizer state and the rest.
+
+``read_training_state`` splits what a source holds besides the weights into
+per-parameter state tensors (``StateTensor``: AdamW's moments, SGD's momentum; read
+lazily by name through ``TrainingState.reader``) and everything else as Python
+values under their key paths (step counts, param groups, a scheduler's and the
+train loop's entries). Key paths are those of the source's nesting, so a writer can
+rebuild it: a DCP folder's come from its metadata (``dcp.save`` records each
+flattened key's path), a ``torch.save`` dict's from walking it.
+
+Optimizer state is keyed by parameter name in DCP (``optimizer.state.NAME.FIELD``, or
+``optimizer.state.NAME.FIELD`` as one key in the flattened form of
+``get_optimizer_state_dict``); ``torch.save(optimizer.state_dict())`` numbers the
+parameters instead, in the order the optimizer was given them, which only the
+architecture knows (``--model``: its ``parameters()`` order).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SourceError
+from .dcp_folder import OPTIMIZER_KEYS, DcpReader, cause
+from .loaded import LoadedModel
+from .state import IntKey
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+# A non-weight tensor beyond this is neither per-parameter state nor a counter;
+# carrying it in the metadata would make the header as big as a model.
+MAX_EXTRA_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One per-parameter state tensor of a source, and where it sits in it."""
+
+    param: str
+    field: str
+    path: tuple  # its key path in the source's nested checkpoint
+    key: str  # the name ``TrainingState.reader`` knows it by
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    form: str  # "dcp" or "pt"
+    model_path: tuple  # key path of the weights: ("model",) or ()
+    tensors: tuple[StateTensor, ...]
+    scalars: dict[str, dict[str, Any]]  # param -> field -> scalar state (step)
+    extras: tuple[tuple[tuple, Any], ...]  # (key path, value): everything else
+    reader: Any  # .iter_bytes(key, chunk) for the state tensors
+    where: str
+
+
+def read_training_state(loaded: LoadedModel) -> TrainingState | None:
+    """The training state of ``loaded``'s source, or None when it holds weights only."""
+    reader = loaded.reader
+    folder = loaded.path if loaded.path is not None and loaded.path.is_dir() else None
+    if folder is not None and (folder / "optimizer.pt").is_file():
+        raise SourceError(
+            f"{folder}: a Trainer checkpoint; its optimizer.pt (the Trainer numbers "
+            "parameters by its own weight-decay groups) is not read by this yafsdp; pass "
+            "--weights-only to convert the weights alone"
+        )
+    if isinstance(reader, DcpReader):
+        return _from_dcp(reader, loaded.spec.source)
+    if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
+        return _from_torch(loaded)
+    return None
+
+
+def _state_key(path: tuple) -> tuple[str, str] | None:
+    """(param, field) when ``path`` is per-parameter optimizer state."""
+    if len(path) < 2 or str(path[0]) not in OPTIMIZER_KEYS:
+        return None
+    if len(path) == 4 and path[1] == "state":
+        return str(path[2]), str(path[3])
+    if len(path) == 2 and str(path[1]).startswith("state."):  # flattened form
+        param, dot, field = str(path[1])[6:].rpartition(".")
+        return (param, field) if dot else None
+    return None
+
+
+def _from_dcp(reader: DcpReader, where: str) -> TrainingState | None:
+    md = reader.md
+    model_fqns = set(reader.fqns.values())
+    name, fqn = next(iter(reader.fqns.items()))
+    model_path = (fqn[: -len(name) - 1],) if fqn != name else ()
+    tensors, scalars, extra_fqns = [], {}, []
+    for fqn in list(md.tensors) + list(md.non_tensors):
+        if fqn in model_fqns:
+            continue
+        path = tuple(md.paths.get(fqn, (fqn,)))
+        key = _state_key(path)
+        meta = md.tensors.get(fqn)
+        if key is not None and meta is not None and key[1] != "step":
+            tensors.append(StateTensor(key[0], key[1], path, fqn, meta.dtype, meta.shape))
+            continue
+        if meta is not None and meta.nbytes > MAX_EXTRA_BYTES:
+            raise SourceError(
+                f"{where}: {fqn!r} is a {meta.nbytes}-byte tensor that is neither a weight nor "
+                "per-parameter optimizer state; pass --weights-only to convert the weights alone"
+            )
+        extra_fqns.append((fqn, path))
+    if not tensors and not extra_fqns and not model_path:
+        return None
+    values = _load_values(md, [f for f, _ in extra_fqns], where)
+    extras = []
+    for fqn, path in extra_fqns:
+        key = _state_key(path)
+        if key is not None:
+            scalars.setdefault(key[0], {})[key[1]] = values[fqn]
+        extras.append((path, values[fqn]))
+    state_reader = DcpReader(md, {t.key: t.key for t in tensors}) if tensors else None
+    return TrainingState(
+        "dcp", model_path, tuple(tensors), scalars, tuple(extras), state_reader, where
+    )
+
+
+def _load_values(md, fqns: list[str], where: str) -> dict[str, Any]:
+    """The values of small tensors and pickled items, by ``dcp.load`` with a planner
+    that unpickles with ``weights_only=True`` (numbers, strings, tuples, tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .dcp_folder import _storage_reader
+
+    class _SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as exc:  # an unpickling error names what it refused
+                raise SourceError(
+                    f"{where}: {read_item.dest_index.fqn!r} cannot be loaded safely ({exc})"
+                ) from None
+            self.original_state_dict[self.mappings[read_item.dest_index.fqn][0]] = obj
+
+    state: dict[str, Any] = {}
+    for fqn in fqns:
+        meta = md.tensors.get(fqn)
+        state[fqn] = (
+            torch.empty(meta.shape, dtype=_torch_dtype(meta.dtype)) if meta is not None else None
+        )
+    if not state:
+        return state
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(
+                state, storage_reader=_storage_reader(md), planner=_SafePlanner(), no_dist=True
+            )
+    except (Exception, CheckpointException) as exc:
+        inner = next(iter(getattr(exc, "failures", {}).values()), (None,))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, SourceError):
+            raise inner from None
+        raise SourceError(f"{where}: reading the training state failed ({cause(exc)})") from None
+    return state
+
+
+def _torch_dtype(name: str):
+    from ..engine import dtypes
+
+    return dtypes.to_torch(name)
+
+
+# ---------------------------------------------------------------- torch.save dicts
+
+
+def _from_torch(loaded: LoadedModel) -> TrainingState | None:
+    """``torch.save({"model": sd, "optimizer": opt.state_dict(), ...})``: the
+    optimizer's parameter numbers named through ``--model``'s ``parameters()`` order
+    (the order ``torch.optim.AdamW(model.parameters())`` numbers them in)."""
+    from .torch_file import _NESTED_KEYS, TensorDictReader, load_torch_file
+
+    where = loaded.spec.source
+    obj, _ = load_torch_file(loaded.path, trust_pickle=False)
+    if not isinstance(obj, dict):
+        return None
+    opt_key = next((k for k in OPTIMIZER_KEYS if isinstance(obj.get(k), dict)), None)
+    model_key = next((k for k in _NESTED_KEYS if isinstance(obj.get(k), dict)), None)
+    if opt_key is None or model_key is None:
+        return None
+    osd = obj[opt_key]
+    names = _param_names(loaded, osd, where)
+    tensors, scalars, extras, found = [], {}, [], {}
+    for pid, fields in osd.get("state", {}).items():
+        param = names[pid]
+        for field, value in fields.items():
+            path = (opt_key, "state", IntKey(pid), field)
+            if isinstance(value, torch.Tensor) and field != "step":
+                key = f"{pid}.{field}"
+                found[key] = value
+                dtype = _dtype_name(value.dtype)
+                tensors.append(StateTensor(param, field, path, key, dtype, tuple(value.shape)))
+            else:
+                scalars.setdefault(param, {})[field] = value
+                extras.append((path, value))
+    extras += [((opt_key, k), v) for k, v in osd.items() if k != "state"]
+    extras += [((k,), v) for k, v in obj.items() if k not in (opt_key, model_key)]
+    if "state" in osd and not osd["state"]:
+        extras.append(((opt_key, "state"), {}))
+    reader = TensorDictReader(found) if found else None
+    return TrainingState("pt", (model_key,), tuple(tensors), scalars, tuple(extras), reader, where)
+
+
+def _param_names(loaded: LoadedModel, osd: dict, where: str) -> dict[int, str]:
+    """optimizer parameter number -> parameter name."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(osd.get("state"), dict):
+        raise SourceError(
+            f"{where}: the optimizer entry has no 'state' and 'param_groups'; not an "
+            "optimizer.state_dict()"
+        )
+    ids = [p for g in groups for p in g.get("params", [])]
+    if not all(isinstance(p, int) for p in ids):
+        return {p: str(p) for p in ids}  # already named
+    module = loaded.module
+    if module is None:
+        raise SourceError(
+            f"{where}: the optimizer state numbers its parameters (0..{len(ids) - 1}); give "
+            "the architecture with --model package.module:factory so they can be named, or "
+            "pass --weights-only"
+        )
+    params = [n for n, _ in module.named_parameters()]
+    if len(params) != len(ids):
+        raise SourceError(
+            f"{where}: the optimizer holds {len(ids)} parameters, but --model has "
+            f"{len(params)}; the optimizer was not built over model.parameters()"
+        )
+    return dict(zip(ids, params))
+
+
+def _dtype_name(dtype) -> str:
+    from ..engine import dtypes
+
+    return dtypes.from_torch(dtype)
