@@ -19,7 +19,8 @@ restore writes the source's own layout back (``train_restore.py``).
 Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
 calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
 data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
-safetensors file, staged outputs), ``copy`` (moving bytes by file ranges), ``crc`` and ``integrity`` (checksums, zero padding), ``dcp_restore``,
+safetensors file, staged outputs), ``copy`` (moving bytes by file ranges), ``crc``
+and ``integrity`` (checksums, zero padding), ``dcp_restore``,
 ``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
 (AdamW on a ``FlatModel``'s buffers from and to a checkpoint), and ``results``. It may
 import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
