@@ -18,11 +18,10 @@ True
 """
 
 from .fit_grid import context_length, plan_model, plan_source
-from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
+from .plan_options import PlanOptions, parse_ints, parse_size
 from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 
 __all__ = [
-    "DEFAULT_RESERVE",
     "SCHEMA",
     "LinearityCheck",
     "PlanBreakdown",
