@@ -260,3 +260,24 @@ def test_nothing_of_a_plan_outlives_it_with_replays_and_advice(llama, monkeypatc
         del report, row
     assert tensors_alive() == base
     assert len(refs) >= 4 and [r for r in refs if r() is not None] == []
+
+
+def test_carried_cells_against_their_own_replay(llama):
+    """Every cell without a run of its own against a direct replay of its own fake
+    step: the carried reserved peak stays within a 2 MiB segment and 10% of it."""
+    opts = PlanOptions(
+        gpu_memory=1 << 40,
+        reserve=0,
+        margin=0,
+        world_sizes=(1, 4),
+        micro_batches=(1, 2, 4, 8),
+        seq_len=SEQ,
+        jobs=1,
+    )
+    report = plan_model(llama, opts)
+    carried = [r for r in report.rows if not r.reserved_replayed]
+    assert len(carried) >= len(report.rows) // 3
+    for r in carried:
+        peak, direct = cell_replay(llama, r.world_size, r.micro_batch, r.checkpointing)
+        assert r.reserved_bytes % (2 * MIB) == 0 and r.reserved_bytes >= r.peak_bytes
+        assert abs(r.reserved_bytes - direct) <= max(2 * MIB, 0.1 * direct), (r, direct)
