@@ -6,7 +6,8 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``), the fake runs and the lines fitted through them
-(``measure``) and the processes that run them at once (``pool``). It may import
+(``measure``), each cell's reserved peak and the memory beside the allocator
+(``reserved_fit``) and the processes that run them at once (``pool``). It may import
 ``profiling``, ``verify`` (the memory this process may use), ``inspect``,
 ``memory``, ``sources``, ``engine`` and ``errors``.
 
