@@ -8,20 +8,20 @@ the same with ``expandable_segments:True``, the setting a plan may advise. A run
 *fragmentation* is its reserved peak minus its allocated peak.
 
 A cell with a run of its own takes that run's reserved peak. Any other cell carries
-the median fragmentation, in bytes, of the runs of its checkpointing choice (those at
-world size 1 for world size 1, the others for the others: unsharded state fragments
-differently), its reserved peak rounded up to the 2 MiB the allocator's segments come
-in. Fragmentation is not smooth in the micro-batch (a block that no later request fits
-comes and goes with the sizes); the median holds against such a spike where the
-nearest run, or a ratio to the step's bytes, carries it on. Against each carried
-cell's own replay (``tests/test_plan_reserved.py`` does this on a tiny Llama; on
-Llama shapes of 2, 4 and 6 layers, hidden 2048, 1024 and 768, 512-2048 tokens,
-world sizes 1-8, micro-batches 1-8, checkpointing on and off) the carried reserved
-peak was 8.4% under to 9.0% over, 1-3.7% on average; the nearest run's scaled
-fragmentation was 20.5% under to 37% over.
-The cells the answer rests on, the best row and the advised one, are replayed from
-their own fake step before they are chosen (``settle``), and the report lists how
-far the carried figure was from the replay (``ReservedCheck``).
+the largest fragmentation, in bytes, of the runs of its checkpointing choice at the
+nearest micro-batch (by ratio; world size 1 apart from the sharded ones, whose state
+fragments differently), its reserved peak rounded up to the 2 MiB segments come in.
+Fragmentation is not smooth in the micro-batch (a block that no later request fits
+comes and goes with the sizes) and may grow with it (Llama-2-70B, checkpointed, 4096
+tokens: 1 GiB at micro-batch 1, 12 GiB at 8), so neither a ratio to the step's bytes
+nor one figure for all micro-batches carries it well. Against each carried cell's own
+replay (``python -m benchmarks.run plan_reserved``: Llama shapes of 2, 4 and 6
+layers, world sizes 1-8, micro-batches 1-8, checkpointing on and off;
+``tests/test_plan_reserved.py`` on a tiny Llama) the carried reserved peak was 9.3%
+under to 14.6% over, 1-3% on average. So the cells the answer rests on, the best row
+and the advised one, are replayed from their own fake step before they are chosen
+(``settle``), and the report lists how far the carried figure was from the replay
+(``ReservedCheck``).
 
 Beside the allocator (``memory.outside_allocator``): the CUDA context, cuBLAS and
 cuBLASLt workspaces and NCCL's buffers for the cell's world size, each overridable
@@ -34,7 +34,6 @@ import dataclasses
 import math
 import os
 import shlex
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -145,15 +144,13 @@ class ReservedFit:
             # the run's own replay; where the plan's line puts the cell above the run,
             # the run's fragmentation on top of the line's peak
             return [max(own[RESERVED + str(c)] - min(peak, run_peak), 0) for c in self.confs], True
-        ws, _, ck = key
+        ws, mb, ck = key
         made = [k for k in self.runs() if k[2] == ck]
         # world size 1 holds whole parameters, gradients and states: other blocks fragment
         same = [k for k in made if (k[0] == 1) == (ws == 1)] or made
-        runs = [self.figures(k) for k in same]
-        frags = [
-            statistics.median(max(r[RESERVED + str(c)] - _peak(r), 0) for r in runs)
-            for c in self.confs
-        ]
+        gap = min(abs(math.log2(k[1] / mb)) for k in same)
+        runs = [self.figures(k) for k in same if abs(math.log2(k[1] / mb)) == gap]
+        frags = [max(max(r[RESERVED + str(c)] - _peak(r), 0) for r in runs) for c in self.confs]
         # every segment, and every page of an expandable one, is a multiple of 2 MiB
         return [_up_to(peak + f, SEGMENT_STEP) - peak for f in frags], False
 

@@ -72,8 +72,9 @@ def _cell(row: PlanRow | None) -> str:
     """What the GPU must hold, and the verdict (``cells`` has every figure)."""
     if row is None:
         return "-"
-    mark = ADVISED if row.fits_with is not None else MARK[row.fits]
-    return f"{human_bytes(row.needed_bytes)} {mark}"
+    if row.fits_with is not None:  # what it needs under the setting it fits with
+        return f"{human_bytes(row.fits_with.needed_bytes)} {ADVISED}"
+    return f"{human_bytes(row.needed_bytes)} {MARK[row.fits]}"
 
 
 def summary_lines(report: PlanReport) -> list[str]:
@@ -87,7 +88,7 @@ def summary_lines(report: PlanReport) -> list[str]:
     ]
     advised = next((r.fits_with for r in report.rows if r.fits_with is not None), None)
     if advised is not None:
-        lines.append(f"{ADVISED}: fits only with {advised.export}")
+        lines.append(f"{ADVISED}: fits only with {advised.export} (needed under it)")
     for s in report.smallest:
         where = f"world size {s.world_size}" if s.world_size else "no world size in the grid"
         lines.append(
