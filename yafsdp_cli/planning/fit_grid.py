@@ -198,7 +198,8 @@ def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
         f"allocator's model, settings: {fit.alloc_conf}) + the memory beside "
         f"the allocator ({beside}) <= GPU memory; best keeps a margin of "
         f"{opts.memory.margin_bytes} B free; cells without a run of their own carry the "
-        "nearest run's fragmentation, the best and the advised cells are replayed"
+        "fragmentation of the runs at the nearest micro-batch; the best and the advised cells "
+        "are replayed from their own runs"
     )
 
 

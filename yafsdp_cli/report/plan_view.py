@@ -46,7 +46,7 @@ def _figures(r: PlanRow) -> str:
         f"{human_bytes(r.fragmentation_bytes)} = reserved {human_bytes(r.reserved_bytes)}"
         + (f"; + {beside}" if beside else "")
         + f" = needed {human_bytes(r.needed_bytes)}"
-        + ("" if r.reserved_replayed else " (reserved carried from the nearest run)")
+        + ("" if r.reserved_replayed else " (reserved carried from other runs)")
     )
     if r.fits_with is not None:
         text += (
