@@ -166,19 +166,24 @@ def _peak(figures: dict[str, int]) -> int:
 def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):
     """The rows with the best one and the best advised one replayed from their own
     fake steps (``replay(key)`` makes the run), repeating while a replay changes the
-    choice; and the checks of carried against replayed figures."""
+    choice; and the checks of carried against replayed figures. After each replay
+    every carried row is carried again: the new run is a run at its micro-batch, so
+    the next candidate's figure already counts what the replay found."""
     checks: list[ReservedCheck] = []
     for advised in (False, True):
         while True:
             row = best(_candidates(rows, fit, advised))
             if row is None or row.reserved_replayed:
                 break
-            key = (row.world_size, row.micro_batch, row.checkpointing)
-            replay(key)
-            new = dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
+            replay((row.world_size, row.micro_batch, row.checkpointing))
             checks.append(_check(row, fit, 1 if advised else 0))
-            rows = [new if r is row else r for r in rows]
+            rows = [r if r.reserved_replayed else _again(r, fit) for r in rows]
     return rows, tuple(checks)
+
+
+def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
+    key = (row.world_size, row.micro_batch, row.checkpointing)
+    return dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
 
 
 def _candidates(rows: list[PlanRow], fit: ReservedFit, advised: bool) -> list[PlanRow]:
