@@ -1,5 +1,6 @@
 """Bar: the reserved peak ``plan`` carries to a cell without a fake run of its own
-is within 10% of a direct replay of that cell's own fake step, on three Llama shapes
+is at most 10% under a direct replay of that cell's own fake step (under is the side
+that fails on a GPU; over wastes memory), and 5% off on average, on three Llama shapes
 (2 layers of hidden 2048 at 512 tokens, 4 of 1024 at 1024, 6 of 768 at 2048; world
 sizes 1, 2, 4, 8; micro-batches 1, 2, 4, 8; checkpointing none and non-reentrant;
 CUDA's kernels, bf16 with float32 masters, AdamW foreach). Its worst figures are the
@@ -14,7 +15,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-BAR = 0.10
+UNDER_BAR = 0.10
+MEAN_BAR = 0.05
 SHAPES = ((2048, 2, 512), (1024, 4, 1024), (768, 6, 2048))  # (hidden, layers, tokens)
 
 
@@ -67,7 +69,7 @@ def carried_errors(folder: Path, tokens: int) -> list[float]:
 
 
 def main() -> bool:
-    worst = 0.0
+    errors_all: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden, layers, tokens in SHAPES:
             folder = write_shape(Path(tmp) / f"llama-{hidden}-{layers}", hidden, layers, tokens)
@@ -75,11 +77,16 @@ def main() -> bool:
             mean = sum(map(abs, errors)) / len(errors)
             print(
                 f"  Llama {layers} layers x {hidden}, {tokens} tokens: {len(errors)} carried "
-                f"cells, "
-                f"{100 * min(errors):+.2f}% to {100 * max(errors):+.2f}% of their own replay, "
-                f"mean |error| {100 * mean:.2f}%"
+                f"cells, {100 * min(errors):+.2f}% to {100 * max(errors):+.2f}% of their own "
+                f"replay, mean |error| {100 * mean:.2f}%"
             )
-            worst = max(worst, *map(abs, errors))
-    ok = worst <= BAR
-    print(f"  worst {100 * worst:.2f}% (bar {100 * BAR:.0f}%): {'met' if ok else 'missed'}")
+            errors_all += errors
+    under = -min(min(errors_all), 0.0)
+    mean = sum(map(abs, errors_all)) / len(errors_all)
+    ok = under <= UNDER_BAR and mean <= MEAN_BAR
+    print(
+        f"  worst under {100 * under:.2f}% (bar {100 * UNDER_BAR:.0f}%), worst over "
+        f"{100 * max(errors_all):.2f}%, mean |error| {100 * mean:.2f}% (bar "
+        f"{100 * MEAN_BAR:.0f}%): {'met' if ok else 'missed'}"
+    )
     return ok
