@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/yafsdp plan --model sample_models.models:gpt --gpu-memory 2MiB --reserve 0 --seq-len 64 --world-size 1,2,4,8
+	$(BIN)/yafsdp plan --model sample_models.models:gpt --gpu-memory 6MiB --reserve 0 --seq-len 64 --world-size 1,2,4,8
 	$(BIN)/yafsdp inspect sample_models/llama.safetensors --world-size 8
 	rm -rf $(DEMO)
 	mkdir $(DEMO)

@@ -100,12 +100,15 @@ def test_plan_json_follows_its_schema_and_marks_fits():
             "1,2,4",
             "--seq-len",
             "16",
+            "--target",
+            "cpu",  # allocated bytes decide: no caching allocator's segments in the way
             "--json",
         ],
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     jsonschema.validate(doc, SCHEMA)
+    assert doc["alloc_conf"] is None and doc["reserve_bytes"] == 0
     assert doc["schema"] == "yafsdp.plan/1"
     assert len(doc["rows"]) == 3 * 3 * 2
     for row in doc["rows"]:
@@ -126,7 +129,8 @@ def test_plan_json_follows_its_schema_and_marks_fits():
 
 def test_plan_default_grid_stops_where_everything_fits():
     loaded = load_source(None, model="sample_models.models:gpt")
-    report = plan_model(loaded, PlanOptions(gpu_memory=1536 * 2**10, reserve=0, seq_len=16))
+    opts = PlanOptions(gpu_memory=1536 * 2**10, reserve=0, seq_len=16, target="cpu")
+    report = plan_model(loaded, opts)
     last = report.world_sizes[-1]
     assert all(r.fits for r in report.rows if r.world_size == last)
     assert not all(r.fits for r in report.rows if r.world_size == report.world_sizes[-2])
@@ -196,6 +200,7 @@ def test_sizes_and_lists_parse():
 
 def test_check_takes_a_plan_baseline(tmp_path):
     args = ["--model", "sample_models.models:gpt", "--gpu-memory", "1500KiB", "--reserve", "0"]
+    args += ["--target", "cpu"]
     grid = ["--world-size", "2,4", "--micro-batch", "1,2", "--seq-len", "16", "--json"]
     made = runner.invoke(app, ["plan", *args, *grid])
     assert made.exit_code == 0, made.output

@@ -153,7 +153,39 @@ GpuMemoryOpt = Annotated[
     str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)
 ]
 ReserveOpt = Annotated[
-    str, typer.Option("--reserve", help="Held outside PyTorch per GPU: CUDA context + NCCL.")
+    str | None,
+    typer.Option(
+        "--reserve",
+        help="Held beside the caching allocator per GPU, all parts in one size (replaces "
+        "the itemised parts; default: itemised, see --outside).",
+        metavar="SIZE",
+    ),
+]
+OutsideOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--outside",
+        help="Override parts of the memory beside the allocator, e.g. "
+        "context=1GiB,cublas=64MiB,cublaslt=1MiB,nccl=256MiB (default: each part's rule).",
+        metavar="PART=SIZE,...",
+    ),
+]
+MarginOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--margin",
+        help="What the best configuration keeps free: a size or a share of --gpu-memory, "
+        "e.g. 2GiB or 5% (default: 3%).",
+        metavar="SIZE|N%",
+    ),
+]
+AllocConfOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--alloc-conf",
+        help="With --target cuda: the caching allocator's settings for the reserved "
+        "replay, PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable).",
+    ),
 ]
 RoundBytesOpt = Annotated[
     int,

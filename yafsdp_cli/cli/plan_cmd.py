@@ -9,15 +9,18 @@ import typer
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
 from .flags import (
     AlignOpt,
+    AllocConfOpt,
     ExcludeOpt,
     FilterOpt,
     FormatOpt,
     GpuMemoryOpt,
     GradDtypeOpt,
     JsonOpt,
+    MarginOpt,
     ModelOpt,
     OptimizerImplOpt,
     OptimizerOpt,
+    OutsideOpt,
     ParamDtypeOpt,
     ReserveOpt,
     SeedOpt,
@@ -76,7 +79,10 @@ def plan_command(
         ),
     ] = None,
     seq_len: SeqLenOpt = None,
-    reserve: ReserveOpt = "2GiB",
+    reserve: ReserveOpt = None,
+    outside: OutsideOpt = None,
+    margin: MarginOpt = None,
+    alloc_conf: AllocConfOpt = None,
     param_dtype: ParamDtypeOpt = "bf16",
     grad_dtype: GradDtypeOpt = None,
     optimizer: OptimizerOpt = "adamw",
@@ -103,18 +109,22 @@ def plan_command(
         from ..errors import YafsdpError
         from ..memory.step_schemes import check_schemes
         from ..planning import PlanOptions, parse_ints, parse_size, plan_source
+        from ..planning.plan_options import parse_margin, parse_outside
         from ..report import plan_view as view
 
         if not gpu_memory:
             raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
+        gpu_bytes = parse_size(gpu_memory, "--gpu-memory")
         opts = options_from(
             PlanOptions,
             locals(),
-            gpu_memory=parse_size(gpu_memory, "--gpu-memory"),
+            gpu_memory=gpu_bytes,
             world_sizes=parse_ints(world_size, "--world-size"),
             micro_batches=parse_ints(micro_batch, "--micro-batch"),
             checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
-            reserve=parse_size(reserve, "--reserve"),
+            reserve=None if reserve is None else parse_size(reserve, "--reserve"),
+            outside=parse_outside(outside),
+            margin=parse_margin(margin, gpu_bytes),
             schemes=check_schemes(scheme),
         )
         with interrupt_ends_at_once():

@@ -9,6 +9,7 @@ import typer
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
 from .flags import (
     AlignOpt,
+    AllocConfOpt,
     BatchOpt,
     CheckpointingOpt,
     DeviceOpt,
@@ -77,14 +78,7 @@ def profile_command(
         int,
         typer.Option("--depth", min=1, help="Per-module rows: names with at most DEPTH parts."),
     ] = 3,
-    alloc_conf: Annotated[
-        str | None,
-        typer.Option(
-            "--alloc-conf",
-            help="With --target cuda: the caching allocator's settings for the reserved "
-            "replay, PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable).",
-        ),
-    ] = None,
+    alloc_conf: AllocConfOpt = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
     html: HtmlOpt = None,

@@ -1,8 +1,10 @@
 """Will it fit: the per-rank budget arithmetic, in one place.
 
-A GPU fits a rank when the rank's peak in PyTorch's allocator plus what is held
-outside it (``reserve``: the CUDA context and NCCL's buffers) is at most the GPU's
-memory; ``headroom`` is what is left then (negative: short by that much). A host
+A GPU fits a rank when the rank's peak in PyTorch's allocator (for ``plan``, the
+caching allocator's predicted reserved peak) plus what is held beside it (``reserve``:
+the CUDA context, cuBLAS workspaces and NCCL's buffers, ``outside_allocator``) is at
+most the GPU's memory; ``headroom`` is what is left then (negative: short by that
+much). A host
 fits ``verify`` when its processes' sum, each rank's peak plus a fixed margin, is
 at most what the host has available. ``plan`` (``planning.fit_grid``, for the
 memory model's persistent bytes and for each configuration's peak) and ``verify``

@@ -8,8 +8,9 @@ dtypes in ``__post_init__``:
 - ``StepOptions``: the training step (optimizer and its implementation, batch,
   sequence length, input shape, seed, device, kernels' target, activation
   checkpointing, parameter and gradient dtypes);
-- ``MemoryOptions``: the memory configuration (GPU memory, reserve, allocator
-  rounding, master weights, FSDP2 placement): where a new memory-model input goes.
+- ``MemoryOptions``: the memory configuration (GPU memory, the memory
+  beside the allocator and the margin, allocator rounding and settings, master
+  weights, FSDP2 placement): where a new memory-model input goes.
 
 A command's options (``ProfileOptions``, ``VerifyOptions``, ``PlanOptions``,
 ``InspectOptions``) are ``Composed`` of these pieces plus the command's own fields.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from .composed import Composed, route
 from .pieces import (
-    DEFAULT_RESERVE,
+    DEFAULT_MARGIN,
+    OUTSIDE_PARTS,
     LayoutOptions,
     MemoryOptions,
     StepOptions,
@@ -29,7 +31,8 @@ from .pieces import (
 )
 
 __all__ = [
-    "DEFAULT_RESERVE",
+    "DEFAULT_MARGIN",
+    "OUTSIDE_PARTS",
     "Composed",
     "LayoutOptions",
     "MemoryOptions",

@@ -10,10 +10,14 @@ from ..errors import YafsdpError
 from .alloc_conf import parse_alloc_conf
 
 GiB = 1024**3
-# CUDA context + NCCL, held outside PyTorch's allocator on every rank (see
-# docs/plan.md: the CUDA context of torch 2.x on an H100/H200 takes about 0.5 GiB,
-# NCCL's communicators and their buffers about 1 GiB more at these world sizes).
-DEFAULT_RESERVE = 2 * GiB
+# The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:
+# the reserved-memory model's predictions on the H200 runs span x0.991 to x1.026 of
+# torch.cuda.max_memory_reserved (benchmarks/gpu/reserved-h200.log), so 3% of a GPU
+# covers an error of that size at a peak that fills the GPU.
+DEFAULT_MARGIN = 0.03
+# The parts of the memory beside the caching allocator that ``--outside`` overrides,
+# by the keyword ``memory.outside_allocator.outside_memory`` takes.
+OUTSIDE_PARTS = ("context", "cublas", "cublaslt", "nccl")
 
 
 def check_at_least(flag: str, value: int | None, minimum: int = 1) -> None:
@@ -97,7 +101,11 @@ class MemoryOptions:
     hands the piece to the memory model."""
 
     gpu_memory: int | None = None  # bytes per GPU; None: no GPU to fit (inspect, profile)
-    reserve: int = DEFAULT_RESERVE  # bytes held outside PyTorch per GPU: CUDA context + NCCL
+    # bytes held beside the allocator per GPU, all parts at once; None: itemised
+    # (memory.outside_allocator), each part overridable through ``outside``
+    reserve: int | None = None
+    outside: tuple[tuple[str, int], ...] = ()  # (part, bytes): context, cublas, cublaslt, nccl
+    margin: int | None = None  # bytes the best plan keeps free; None: DEFAULT_MARGIN of the GPU
     round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
     master_weights: bool | None = None  # float32 masters; None: on for 16-bit parameters
     fsdp_placement: str = "dim0"  # what the FSDP2 column models: dim0 | auto
@@ -107,12 +115,27 @@ class MemoryOptions:
         if self.gpu_memory is not None:
             if self.gpu_memory <= 0:
                 raise YafsdpError(f"--gpu-memory must be positive, got {self.gpu_memory} bytes")
-            if self.reserve < 0 or self.reserve >= self.gpu_memory:
+            for flag, value in (("--reserve", self.reserve), ("--margin", self.margin)):
+                if value is not None and not 0 <= value < self.gpu_memory:
+                    raise YafsdpError(
+                        f"{flag} {value} bytes must be at least 0 and below --gpu-memory "
+                        f"({self.gpu_memory} bytes)"
+                    )
+        object.__setattr__(self, "outside", tuple((str(k), int(v)) for k, v in self.outside))
+        for part, value in self.outside:
+            if part not in OUTSIDE_PARTS or value < 0:
                 raise YafsdpError(
-                    f"--reserve {self.reserve} bytes must be at least 0 and below --gpu-memory "
-                    f"({self.gpu_memory} bytes)"
+                    f"--outside {part}={value}: give bytes of at least 0 for any of "
+                    f"{', '.join(OUTSIDE_PARTS)}"
                 )
         check_at_least("round-bytes", self.round_bytes)
         check_placement(self.fsdp_placement)
         if self.alloc_conf is not None:
             parse_alloc_conf(self.alloc_conf)  # a bad setting fails before any step runs
+
+    @property
+    def margin_bytes(self) -> int:
+        """``margin``, or ``DEFAULT_MARGIN`` of ``gpu_memory`` (0 without a GPU)."""
+        if self.margin is not None:
+            return self.margin
+        return round(DEFAULT_MARGIN * (self.gpu_memory or 0))

@@ -6,7 +6,8 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``), the fake runs and the lines fitted through them
-(``measure``), the processes that run them at once (``pool``) and the other
+(``measure``), each cell's reserved peak and the memory beside the allocator
+(``reserved_fit``), the processes that run them at once (``pool``) and the other
 training schemes' peaks over the same grid (``scheme_peaks``, ``plan --scheme``). It may import
 ``profiling``, ``verify`` (the memory this process may use), ``inspect``,
 ``memory``, ``sources``, ``engine`` and ``errors``.
@@ -19,11 +20,10 @@ True
 """
 
 from .fit_grid import context_length, plan_model, plan_source
-from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
+from .plan_options import PlanOptions, parse_ints, parse_size
 from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 
 __all__ = [
-    "DEFAULT_RESERVE",
     "SCHEMA",
     "LinearityCheck",
     "PlanBreakdown",

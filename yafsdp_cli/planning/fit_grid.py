@@ -19,13 +19,14 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
-from ..memory.headroom import fits, needed_bytes
+from ..memory.headroom import fits
 from ..sources import load_source
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
-from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
+from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
 from .scheme_peaks import compare_schemes
+from .reserved_fit import ReservedFit, settle
 
 DEFAULT_SEQ_LEN = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
@@ -51,16 +52,23 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
-    lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total)
+    fit = ReservedFit(opts, runner.figures, runner.model_total, runner.made)
+    lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total, fit)
     rows = [
-        _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), opts)
+        _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), fit)
         for ws in sizes
         for ck in opts.checkpointing
         for mb in opts.micro_batches
     ]
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
-    report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
+    rows, reserved_checks = settle(rows, fit, lambda key: runner.prefetch([key]), best_row)
+    report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
+    report = dataclasses.replace(
+        report,
+        reserved_checks=reserved_checks,
+        notes=(*report.notes, *map(_reserved_note, reserved_checks)),
+    )
     if opts.schemes != ("flat",):
         schemes = compare_schemes(loaded, opts, runner, lines, _line_for)
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
@@ -113,12 +121,12 @@ def _memory_model(loaded, opts: PlanOptions):
     return flat_bytes
 
 
-def _measure(runner: Runner, opts: PlanOptions, sizes, total):
+def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
     """Lines per (checkpointing, measured world size) and the linearity checks;
     ``total(ws)``: the persistent bytes per rank, which must fit before any step."""
 
     def persistent_fits(ws: int) -> bool:
-        return fits(total(ws), opts.reserve, opts.gpu_memory)
+        return fits(total(ws), fit.outside(ws).total, opts.gpu_memory)
 
     above_one = [ws for ws in sizes if ws > 1]
     fitting = [ws for ws in above_one if persistent_fits(ws)]
@@ -163,7 +171,7 @@ def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
     return others[0] if others else lines[(checkpointing, 1)]
 
 
-def _row(ws, mb, ck, seq_len, m, line: PhaseLine, opts: PlanOptions) -> PlanRow:
+def _row(ws, mb, ck, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
     phase, act, temp = line.at(mb, ws)
     breakdown = PlanBreakdown(
         m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
@@ -175,11 +183,35 @@ def _row(ws, mb, ck, seq_len, m, line: PhaseLine, opts: PlanOptions) -> PlanRow:
         seq_len=seq_len,
         checkpointing=ck,
         peak_bytes=peak,
-        needed_bytes=needed_bytes(peak, opts.reserve),
         breakdown=breakdown,
         peak_phase=phase,
-        fits=fits(peak, opts.reserve, opts.gpu_memory),
         measured=ws in line.world_sizes,
+        **fit.fields(ws, mb, ck, peak),
+    )
+
+
+def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
+    beside = "--reserve" if opts.reserve is not None else "context, cuBLAS, cuBLASLt, NCCL"
+    if fit.alloc_conf is None:
+        return (
+            f"fits: allocated peak + the memory beside the allocator ({beside}) <= GPU "
+            "memory; --target cpu: no caching allocator replayed"
+        )
+    return (
+        f"fits: reserved peak (the step's allocations replayed through the CUDA caching "
+        f"allocator's model, settings: {fit.alloc_conf}) + the memory beside "
+        f"the allocator ({beside}) <= GPU memory; best keeps a margin of "
+        f"{opts.memory.margin_bytes} B free; cells without a run of their own carry the "
+        "fragmentation of the runs at the nearest micro-batch; the best and the advised cells "
+        "are replayed from their own runs"
+    )
+
+
+def _reserved_note(c) -> str:
+    return (
+        f"reserved check ({c.checkpointing}, world size {c.world_size}, micro-batch "
+        f"{c.micro_batch}, {c.alloc_conf}): carried {c.carried_bytes} B, replayed from its "
+        f"own run {c.replayed_bytes} B, {100 * c.error:.2f}% apart"
     )
 
 
@@ -203,20 +235,39 @@ def smallest_fitting(rows) -> tuple[Smallest, ...]:
 
 
 def best_row(rows) -> PlanRow | None:
-    """Most tokens per rank that fit; then no recomputation; then the fewest GPUs."""
-    fitting = [r for r in rows if r.fits]
-    if not fitting:
+    """Most tokens per rank; then no recomputation; then the fewest GPUs (of ``rows``,
+    the candidates the caller chose)."""
+    if not rows:
         return None
-    return min(
-        fitting,
-        key=lambda r: (-r.micro_batch * r.seq_len, r.checkpointing != "none", r.world_size),
+    return min(rows, key=_preference)
+
+
+def _preference(r: PlanRow) -> tuple:
+    return (-r.micro_batch * r.seq_len, r.checkpointing != "none", r.world_size)
+
+
+def _best_and_advice(rows, opts: PlanOptions) -> tuple[PlanRow | None, PlanAdvice | None]:
+    """The best row that fits keeping the margin free; and, when a row that fits only
+    under another allocator setting (keeping the margin) beats it, that advice."""
+    margin = opts.memory.margin_bytes
+    best = best_row([r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin])
+    advised = best_row(
+        [
+            r
+            for r in rows
+            if r.fits_with is not None and opts.gpu_memory - r.fits_with.needed_bytes >= margin
+        ]
     )
+    if advised is None or (best is not None and _preference(best) <= _preference(advised)):
+        return best, None
+    return best, PlanAdvice(advised.fits_with.alloc_conf, advised.fits_with.export, advised)
 
 
-def _report(loaded, opts, seq_len, rows, runner, lines, checks, start) -> PlanReport:
+def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> PlanReport:
     runs = runner.runs
     measured = sorted({ws for line in lines.values() for ws in line.world_sizes})
     cfg = opts.memory_config()
+    best, advice = _best_and_advice(rows, opts)
     return PlanReport(
         source=loaded.spec.source,
         gpu_memory_bytes=opts.gpu_memory,
@@ -232,15 +283,19 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start) -> PlanRe
         checkpointing=tuple(opts.checkpointing),
         rows=tuple(rows),
         smallest=smallest_fitting(rows),
-        best=best_row(rows),
+        best=best,
         fake_runs=runs,
         linearity=checks,
         wall_s=time.perf_counter() - start,
-        notes=_notes(opts, measured, runs, checks, runner.jobs),
+        notes=_notes(opts, measured, runs, checks, runner.jobs, fit),
+        alloc_conf=fit.alloc_conf,
+        margin_bytes=opts.memory.margin_bytes,
+        advice=advice,
+        reserved_checks=(),
     )
 
 
-def _notes(opts: PlanOptions, measured, runs, checks, jobs: int) -> tuple[str, ...]:
+def _notes(opts: PlanOptions, measured, runs, checks, jobs: int, fit) -> tuple[str, ...]:
     where = ", ".join(map(str, measured))
     notes = [
         "peak per rank = the memory model's persistent bytes at each world size (flat "
@@ -252,9 +307,7 @@ def _notes(opts: PlanOptions, measured, runs, checks, jobs: int) -> tuple[str, .
         "choice and the line gives the others; "
         "one run at a second world size gives the part that scales with 1/world size "
         "(unreduced gradients at the peak, optimizer temporaries)",
-        f"fits: peak + reserve ({opts.reserve} B, CUDA context and NCCL) <= GPU memory; "
-        f"every allocation rounded up to {opts.round_bytes} B (CUDA caching allocator); "
-        "fragmentation beyond that is not counted",
+        _fit_note(opts, fit),
         "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
         "(transformers' own activation_checkpointing_enable where the model has it)",
         f"kernels: {opts.target}'s"

@@ -23,6 +23,7 @@ from ..profiling.profiler import profile_converted
 from .plan_options import PlanOptions
 from .plan_report import LinearityCheck
 from .pool import Key, Origin, auto_jobs, run_steps
+from .reserved_fit import plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -65,8 +66,11 @@ class PhaseLine:
 
 def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str, int]:
     """The phase peaks of one fake step of the converted model, ``key`` =
-    (world size, micro-batch, checkpointing)."""
+    (world size, micro-batch, checkpointing), and its reserved peak under each of the
+    plan's allocator settings (``reserved_fit``)."""
     world_size, micro_batch, checkpointing = key
+    confs = plan_confs(opts)
+    traces: dict | None = {} if confs else None
     step = profile_converted(
         loaded,
         ProfileOptions(
@@ -87,8 +91,12 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
             round_bytes=opts.round_bytes,
             target=opts.target,
         ),
+        traces=traces,
     )
-    return dict(step.phase_peaks)
+    figures = dict(step.phase_peaks)
+    if traces:
+        figures.update(replayed(traces["converted"], confs))
+    return figures
 
 
 class Runner:
@@ -131,6 +139,14 @@ class Runner:
     @property
     def runs(self) -> int:
         return len(self._peaks)
+
+    def made(self) -> list[Key]:
+        """The runs made so far."""
+        return list(self._peaks)
+
+    def figures(self, key: Key) -> dict[str, int] | None:
+        """A run's figures (phase peaks, reserved peaks), None if it is not made."""
+        return self._peaks.get(key)
 
     def _measure(self, key: Key) -> dict[str, int]:
         return measure_peaks(self.loaded, self.opts, self.seq_len, key)

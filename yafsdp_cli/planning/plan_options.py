@@ -13,7 +13,7 @@ from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..memory.step_schemes import check_schemes
 from ..options import (
-    DEFAULT_RESERVE,
+    OUTSIDE_PARTS,
     Composed,
     LayoutOptions,
     MemoryOptions,
@@ -39,6 +39,9 @@ class PlanOptions(Composed):
         "checkpointing",
         "seq_len",
         "reserve",
+        "outside",
+        "margin",
+        "alloc_conf",
         "param_dtype",
         "grad_dtype",
         "optimizer",
@@ -58,7 +61,6 @@ class PlanOptions(Composed):
         "param_dtype": "bfloat16",
         "optimizer_impl": "foreach",  # torch's default for CUDA tensors
         "target": "cuda",
-        "reserve": DEFAULT_RESERVE,
         "round_bytes": ROUND_BYTES,
     }
 
@@ -136,3 +138,35 @@ def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:
             f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,2,4"
         )
     return tuple(dict.fromkeys(values))
+
+
+def parse_outside(text: str | None) -> tuple[tuple[str, int], ...]:
+    """``"context=1GiB,nccl=0"`` -> ``(("context", 1073741824), ("nccl", 0))``."""
+    if not text:
+        return ()
+    pairs = []
+    for item in text.replace(" ", "").split(","):
+        part, _, size = item.partition("=")
+        if part not in OUTSIDE_PARTS or not size:
+            raise YafsdpError(
+                f"--outside {item!r}: write PART=SIZE pairs separated by commas, PART one of "
+                f"{', '.join(OUTSIDE_PARTS)}, e.g. context=1GiB,nccl=256MiB"
+            )
+        pairs.append((part, parse_size(size, f"--outside {part}")))
+    return tuple(dict(pairs).items())
+
+
+def parse_margin(text: str | None, gpu_memory: int) -> int | None:
+    """``"5%"`` -> 5% of ``gpu_memory`` in bytes; ``"2GiB"`` -> bytes; None stays None."""
+    if text is None:
+        return None
+    s = text.strip()
+    if not s.endswith("%"):
+        return parse_size(s, "--margin")
+    try:
+        share = float(s[:-1])
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 100:
+        raise YafsdpError(f"--margin {text!r}: a share is a number from 0 to 100 with %, e.g. 3%")
+    return round(share / 100 * gpu_memory)

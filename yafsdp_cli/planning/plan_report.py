@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory.outside_allocator import OutsidePart
 from .plan_options import PlanOptions
 
 SCHEMA = "yafsdp.plan/1"
@@ -28,17 +29,32 @@ class PlanBreakdown:
 
 
 @dataclass(frozen=True, slots=True)
+class AllocAdvice:
+    """Another caching-allocator setting under which a cell fits, and its figures."""
+
+    alloc_conf: str  # in PYTORCH_CUDA_ALLOC_CONF syntax
+    export: str  # the shell line that sets it for the training job
+    reserved_bytes: int  # the predicted reserved peak under it
+    needed_bytes: int  # reserved_bytes + the memory beside the allocator
+
+
+@dataclass(frozen=True, slots=True)
 class PlanRow:
     world_size: int
     micro_batch: int
     seq_len: int
     checkpointing: str
-    peak_bytes: int  # the training step's peak per rank, reserve not included
-    needed_bytes: int  # peak + reserve: what the GPU must have
+    peak_bytes: int  # the training step's allocated peak per rank
+    needed_bytes: int  # reserved_bytes + the outside parts: what the GPU must have
     breakdown: PlanBreakdown
     peak_phase: str  # forward | backward | optimizer
-    fits: bool
+    fits: bool  # needed_bytes <= GPU memory, under the plan's allocator setting
     measured: bool  # False: extrapolated from the measured world size
+    reserved_bytes: int  # the caching allocator's predicted reserved peak
+    fragmentation_bytes: int  # reserved_bytes - peak_bytes
+    outside: tuple[OutsidePart, ...]  # held beside the allocator: context, workspaces, NCCL
+    reserved_replayed: bool  # True: from this cell's own fake step; False: carried
+    fits_with: AllocAdvice | None  # when it fits only under another allocator setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +78,37 @@ class LinearityCheck:
 
 
 @dataclass(frozen=True, slots=True)
+class ReservedCheck:
+    """A cell whose reserved peak was carried from another run, then replayed from its
+    own fake step (the cells the plan's answer rests on)."""
+
+    world_size: int
+    micro_batch: int
+    checkpointing: str
+    alloc_conf: str
+    carried_bytes: int
+    replayed_bytes: int
+
+    @property
+    def error(self) -> float:
+        return abs(self.carried_bytes - self.replayed_bytes) / max(self.replayed_bytes, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanAdvice:
+    """A configuration better than the best (more tokens per rank, or any when nothing
+    fits) that fits only under another allocator setting."""
+
+    alloc_conf: str
+    export: str
+    row: PlanRow
+
+
+@dataclass(frozen=True, slots=True)
 class PlanReport:
     source: str
     gpu_memory_bytes: int
-    reserve_bytes: int
+    reserve_bytes: int | None  # --reserve: the outside parts' sum, given; None: itemised
     round_bytes: int
     seq_len: int
     param_dtype: str
@@ -82,6 +125,10 @@ class PlanReport:
     linearity: tuple[LinearityCheck, ...]
     wall_s: float
     notes: tuple[str, ...]
+    alloc_conf: str | None  # the allocator setting the rows fit under; None: --target cpu
+    margin_bytes: int  # what the best row keeps free
+    advice: PlanAdvice | None
+    reserved_checks: tuple[ReservedCheck, ...]
     source_path: str | None = None  # what was given, so `check` can plan it again
     model: str | None = None
     options: PlanOptions | None = None

@@ -165,7 +165,9 @@ def _heat_cell(cell, limit: int) -> str:
     ratio = peak / limit if limit else math.inf
     fits = "fits" if ratio <= 0.8 else "tight" if ratio <= 1.0 else "over"
     bg = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}[fits]
-    tip = f"{num(peak)} B, {100 * ratio:.1f}% of the GPU"
+    tip = f"{num(peak)} B, {100 * ratio:.1f}% of the GPU" + (
+        f"; {cell['tip']}" if cell.get("tip") else ""
+    )
     return (
         f'<td class="cell {fits}" style="background:{bg}" data-bytes="{peak}" '
         f'title="{esc(tip)}">{esc(human_bytes(peak))}</td>'

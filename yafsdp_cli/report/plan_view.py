@@ -7,6 +7,7 @@ from . import scheme_view
 from .formatting import human_bytes, json_document, markdown_table, plain
 
 MARK = {True: "fits", False: "OOM"}
+ADVISED = "fits*"  # fits only under another allocator setting (the legend names it)
 
 
 def to_json(report: PlanReport) -> str:
@@ -17,11 +18,13 @@ def to_json(report: PlanReport) -> str:
     payload["rows"] = [plain(r) for r in report.rows]
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
     payload["schemes"] = scheme_view.payload(report)
+    payload["reserved_checks"] = [{**plain(c), "error": c.error} for c in report.reserved_checks]
     return json_document(SCHEMA, payload)
 
 
 def heatmap_data(report: PlanReport) -> dict:
-    """What ``html_charts.plan_heatmap`` takes: cells coloured by peak + reserve."""
+    """What ``html_charts.plan_heatmap`` takes: cells coloured by what the GPU must
+    hold (reserved peak + the memory beside the allocator), each with its figures."""
     return {
         "gpu_memory_bytes": report.gpu_memory_bytes,
         "cells": [
@@ -30,10 +33,30 @@ def heatmap_data(report: PlanReport) -> dict:
                 "micro_batch": r.micro_batch,
                 "checkpointing": r.checkpointing,
                 "peak_bytes": r.needed_bytes,
+                "tip": _figures(r),
             }
             for r in report.rows
         ],
     }
+
+
+def _figures(r: PlanRow) -> str:
+    """A cell's figures in one line: allocated, reserved, each part beside, needed."""
+    beside = " + ".join(f"{p.name} {human_bytes(p.bytes)}" for p in r.outside if p.bytes)
+    text = (
+        f"allocated {human_bytes(r.peak_bytes)} + fragmentation "
+        f"{human_bytes(r.fragmentation_bytes)} = reserved {human_bytes(r.reserved_bytes)}"
+        + (f"; + {beside}" if beside else "")
+        + f" = needed {human_bytes(r.needed_bytes)}"
+        + ("" if r.reserved_replayed else " (reserved carried from other runs)")
+    )
+    if r.fits_with is not None:
+        text += (
+            f"; with {r.fits_with.alloc_conf}: reserved "
+            f"{human_bytes(r.fits_with.reserved_bytes)}, needed "
+            f"{human_bytes(r.fits_with.needed_bytes)}"
+        )
+    return text
 
 
 def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[str]]]:
@@ -48,35 +71,53 @@ def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[s
 
 
 def _cell(row: PlanRow | None) -> str:
+    """What the GPU must hold, and the verdict (``cells`` has every figure)."""
     if row is None:
         return "-"
-    return f"{human_bytes(row.peak_bytes)} {MARK[row.fits]}"
+    if row.fits_with is not None:  # what it needs under the setting it fits with
+        return f"{human_bytes(row.fits_with.needed_bytes)} {ADVISED}"
+    return f"{human_bytes(row.needed_bytes)} {MARK[row.fits]}"
 
 
 def summary_lines(report: PlanReport) -> list[str]:
     tokens = f"{report.seq_len} tokens per sequence"
     lines = [
-        f"{report.source}: peak per rank against {human_bytes(report.gpu_memory_bytes)} "
-        f"per GPU ({human_bytes(report.reserve_bytes)} reserved for CUDA context and NCCL), "
-        f"{tokens}, {report.param_dtype} parameters, gradients in {report.grad_dtype}, "
-        f"{report.optimizer} ({report.optimizer_impl})",
+        f"{report.source}: needed per rank, what the GPU must hold (the caching allocator's "
+        f"reserved peak + the memory beside it), against {human_bytes(report.gpu_memory_bytes)} "
+        f"per GPU, {tokens}, {report.param_dtype} parameters, gradients in "
+        f"{report.grad_dtype}, {report.optimizer} ({report.optimizer_impl}), allocator "
+        f"settings: {report.alloc_conf or 'none (--target cpu)'}",
     ]
+    advised = next((r.fits_with for r in report.rows if r.fits_with is not None), None)
+    if advised is not None:
+        lines.append(f"{ADVISED}: fits only with {advised.export} (needed under it)")
     for s in report.smallest:
         where = f"world size {s.world_size}" if s.world_size else "no world size in the grid"
         lines.append(
             f"smallest that fits, micro-batch {s.micro_batch}, checkpointing "
             f"{s.checkpointing}: {where}"
         )
+    margin = human_bytes(report.margin_bytes)
     if report.best is None:
-        lines.append("best: nothing in the grid fits")
+        lines.append(f"best: nothing in the grid fits keeping the margin of {margin} free")
     else:
-        b = report.best
-        lines.append(
-            f"best: world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
-            f"{b.checkpointing} ({b.micro_batch * b.seq_len} tokens per rank, peak "
-            f"{human_bytes(b.peak_bytes)} + reserve = {human_bytes(b.needed_bytes)})"
-        )
+        lines.append("best: " + _breakdown(report.best, report))
+    if report.advice is not None:
+        advice = report.advice
+        lines.append(f"better with {advice.export}: " + _breakdown(advice.row, report))
     return lines
+
+
+def _breakdown(b: PlanRow, report: PlanReport) -> str:
+    """The row's figures and what stays free (under the advised setting, if any)."""
+    needed = b.fits_with.needed_bytes if b.fits_with is not None else b.needed_bytes
+    free = report.gpu_memory_bytes - needed
+    return (
+        f"world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
+        f"{b.checkpointing} ({b.micro_batch * b.seq_len} tokens per rank): {_figures(b)}; "
+        f"{human_bytes(free)} free of {human_bytes(report.gpu_memory_bytes)} (margin "
+        f"{human_bytes(report.margin_bytes)})"
+    )
 
 
 def to_markdown(report: PlanReport) -> str:
@@ -85,9 +126,41 @@ def to_markdown(report: PlanReport) -> str:
         headers, body = grid(report, ck)
         parts += [f"**checkpointing {ck}**", "", markdown_table(headers, body), ""]
     parts += scheme_view.to_markdown(report)
+    parts += ["**every cell**", "", markdown_table(*cells(report)), ""]
     parts += [*(f"- {line}" for line in summary_lines(report))]
     parts += ["", *(f"- {n}" for n in report.notes), ""]
     return "\n".join(parts)
+
+
+def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
+    """One line per cell: every figure of the fit."""
+    parts = [p.name for p in report.rows[0].outside] if report.rows else []
+    headers = [
+        "world size",
+        "micro-batch",
+        "checkpointing",
+        "allocated",
+        "reserved",
+        "fragmentation",
+        *parts,
+        "needed",
+        "verdict",
+    ]
+    body = [
+        [
+            str(r.world_size),
+            str(r.micro_batch),
+            r.checkpointing,
+            human_bytes(r.peak_bytes),
+            human_bytes(r.reserved_bytes) + ("" if r.reserved_replayed else " ~"),
+            human_bytes(r.fragmentation_bytes),
+            *(human_bytes(p.bytes) for p in r.outside),
+            human_bytes(r.needed_bytes),
+            ADVISED if r.fits_with is not None else MARK[r.fits],
+        ]
+        for r in report.rows
+    ]
+    return headers, body
 
 
 def to_rich(report: PlanReport) -> list:
@@ -97,7 +170,7 @@ def to_rich(report: PlanReport) -> list:
     tables = []
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
-        title = f"Will it fit? peak per rank, checkpointing {ck}"
+        title = f"Will it fit? needed per rank, checkpointing {ck}"
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(headers):
             table.add_column(h, justify="right" if i else "left")
@@ -110,7 +183,9 @@ def to_rich(report: PlanReport) -> list:
 
 
 def _style(cell: str) -> str:
-    return "green" if cell.endswith(MARK[True]) else "red" if cell.endswith(MARK[False]) else ""
+    if cell.endswith(MARK[True]):
+        return "green"
+    return "yellow" if cell.endswith(ADVISED) else "red" if cell.endswith(MARK[False]) else ""
 
 
 def plan_page(report: PlanReport) -> str:
@@ -119,5 +194,9 @@ def plan_page(report: PlanReport) -> str:
 
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
-    body = plan_heatmap(heatmap_data(report)) + scheme_view.to_html(report)
-    return page(title, subtitle, (("plan", "will it fit"),), body)
+    from .html_base import esc
+
+    items = "".join(f"<li>{esc(line)}</li>" for line in (*summary_lines(report), *report.notes))
+    body = plan_heatmap(heatmap_data(report)) + f'<section id="fit"><ul>{items}</ul></section>'
+    body += scheme_view.to_html(report)
+    return page(title, subtitle, (("plan", "will it fit"), ("fit", "figures")), body)

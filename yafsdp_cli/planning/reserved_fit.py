@@ -1,0 +1,203 @@
+"""Will a cell fit as the GPU decides: the caching allocator's reserved peak plus the
+memory beside the allocator, under the job's allocator setting or another.
+
+Each fake run of a plan hands its allocation trace to the allocator's model
+(``memory.caching_allocator.reserved_of``), once per setting: the job's own
+(``--alloc-conf``, else ``PYTORCH_CUDA_ALLOC_CONF``) and, unless it has them already,
+the same with ``expandable_segments:True``, the setting a plan may advise. A run's
+*fragmentation* is its reserved peak minus its allocated peak.
+
+A cell with a run of its own takes that run's reserved peak. Any other cell carries
+the largest fragmentation, in bytes, of the runs of its checkpointing choice at the
+nearest micro-batch (by ratio; world size 1 apart from the sharded ones, whose state
+fragments differently), its reserved peak rounded up to the 2 MiB segments come in.
+Fragmentation is not smooth in the micro-batch (a block that no later request fits
+comes and goes with the sizes) and may grow with it (Llama-2-70B, checkpointed, 4096
+tokens: 1 GiB at micro-batch 1, 12 GiB at 8), so neither a ratio to the step's bytes
+nor one figure for all micro-batches carries it well. Against each carried cell's own
+replay (``python -m benchmarks.run plan_reserved``: Llama shapes of 2, 4 and 6
+layers, world sizes 1-8, micro-batches 1-8, checkpointing on and off;
+``tests/test_plan_reserved.py`` on a tiny Llama) the carried reserved peak was 9.3%
+under to 14.6% over, 1-3% on average. So the cells the answer rests on, the best row
+and the advised one, are replayed from their own fake step before they are chosen
+(``settle``), and the report lists how far the carried figure was from the replay
+(``ReservedCheck``).
+
+Beside the allocator (``memory.outside_allocator``): the CUDA context, cuBLAS and
+cuBLASLt workspaces and NCCL's buffers for the cell's world size, each overridable
+(``--outside``), or one sum for all of them (``--reserve``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shlex
+from collections.abc import Callable
+
+import torch
+
+from ..memory.caching_allocator import reserved_of
+from ..memory.headroom import headroom
+from ..memory.outside_allocator import OutsideAllocator, OutsidePart, outside_memory
+from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
+from ..profiling.gpu_holding import ALLOC_CONF_VAR
+from .plan_report import AllocAdvice, PlanRow, ReservedCheck
+
+RESERVED = "reserved:"  # a run's figures: RESERVED + setting -> its reserved peak
+Key = tuple[int, int, str]  # (world size, micro-batch, checkpointing)
+SEGMENT_STEP = 2 << 20  # the allocator takes memory from the driver in multiples of 2 MiB
+
+
+def plan_confs(opts) -> tuple[AllocatorConf, ...]:
+    """The job's allocator setting and, unless it has them, the same with expandable
+    segments; none for ``--target cpu`` (no caching allocator to model)."""
+    if opts.step.kernels != "cuda":
+        return ()
+    text = opts.alloc_conf if opts.alloc_conf is not None else os.environ.get(ALLOC_CONF_VAR)
+    own = parse_alloc_conf(text)
+    if own.expandable_segments:
+        return (own,)
+    return own, dataclasses.replace(own, expandable_segments=True)
+
+
+def replayed(trace, confs) -> dict[str, int]:
+    """A run's reserved peak under each setting, keyed ``RESERVED + setting``."""
+    return {RESERVED + str(c): reserved_of(trace, c).reserved_peak for c in confs}
+
+
+def outside_at(opts, world_size: int) -> OutsideAllocator:
+    """What a rank of ``world_size`` holds beside the allocator: ``--reserve`` as one
+    part, else the itemised parts for the installed torch on a Hopper GPU (the
+    measured one), the environment's variables and ``--outside``'s overrides."""
+    if opts.reserve is not None:
+        return OutsideAllocator((OutsidePart("reserve", opts.reserve, "--reserve, given"),))
+    return outside_memory(
+        torch_version=torch.__version__,
+        world_size=world_size,
+        env=os.environ,
+        **dict(opts.outside),
+    )
+
+
+def export_line(conf: AllocatorConf) -> str:
+    return f"export {ALLOC_CONF_VAR}={shlex.quote(str(conf))}"
+
+
+class ReservedFit:
+    """The reserved and outside figures of the cells of one plan. ``figures(key)``:
+    the run's figures when that run is made (None otherwise); ``model_total(ws)``:
+    the memory model's persistent bytes."""
+
+    def __init__(self, opts, figures: Callable, model_total: Callable, runs: Callable):
+        self.opts, self.figures, self.model_total, self.runs = opts, figures, model_total, runs
+        self.confs = plan_confs(opts)
+        self.gpu = opts.gpu_memory
+        self._outside: dict[int, OutsideAllocator] = {}
+
+    @property
+    def alloc_conf(self) -> str | None:
+        return str(self.confs[0]) if self.confs else None
+
+    def outside(self, world_size: int) -> OutsideAllocator:
+        if world_size not in self._outside:
+            self._outside[world_size] = outside_at(self.opts, world_size)
+        return self._outside[world_size]
+
+    def fields(self, ws: int, mb: int, ck: str, peak: int) -> dict:
+        """A ``PlanRow``'s reserved, outside and fit fields for a cell of ``peak``
+        allocated bytes."""
+        outside = self.outside(ws)
+        frags, replayed_here = self._fragmentation((ws, mb, ck), peak)
+        reserved = peak + (frags[0] if frags else 0)
+        needed = reserved + outside.total
+        fits = headroom(reserved, outside.total, self.gpu) >= 0
+        advice = None
+        if not fits and len(frags) > 1:
+            other = peak + frags[1]
+            if headroom(other, outside.total, self.gpu) >= 0:
+                conf = self.confs[1]
+                advice = AllocAdvice(str(conf), export_line(conf), other, other + outside.total)
+        return dict(
+            reserved_bytes=reserved,
+            fragmentation_bytes=reserved - peak,
+            outside=outside.parts,
+            needed_bytes=needed,
+            fits=fits,
+            reserved_replayed=replayed_here or not self.confs,
+            fits_with=advice,
+        )
+
+    def reserved_at(self, key: Key, peak: int, index: int) -> int:
+        """The cell's reserved peak under setting ``index``."""
+        return peak + self._fragmentation(key, peak)[0][index]
+
+    def _fragmentation(self, key: Key, peak: int) -> tuple[list[int], bool]:
+        """Per setting, the cell's reserved minus allocated bytes, and whether they
+        come from the cell's own run."""
+        if not self.confs:
+            return [], True
+        own = self.figures(key)
+        if own is not None:
+            run_peak = _peak(own)
+            # the run's own replay; where the plan's line puts the cell above the run,
+            # the run's fragmentation on top of the line's peak
+            return [max(own[RESERVED + str(c)] - min(peak, run_peak), 0) for c in self.confs], True
+        ws, mb, ck = key
+        made = [k for k in self.runs() if k[2] == ck]
+        # world size 1 holds whole parameters, gradients and states: other blocks fragment
+        same = [k for k in made if (k[0] == 1) == (ws == 1)] or made
+        gap = min(abs(math.log2(k[1] / mb)) for k in same)
+        runs = [self.figures(k) for k in same if abs(math.log2(k[1] / mb)) == gap]
+        frags = [max(max(r[RESERVED + str(c)] - _peak(r), 0) for r in runs) for c in self.confs]
+        # every segment, and every page of an expandable one, is a multiple of 2 MiB
+        return [_up_to(peak + f, SEGMENT_STEP) - peak for f in frags], False
+
+
+def _up_to(n: float, step: int) -> int:
+    return math.ceil(n / step) * step
+
+
+def _peak(figures: dict[str, int]) -> int:
+    return max(v for k, v in figures.items() if not k.startswith(RESERVED))
+
+
+def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):
+    """The rows with the best one and the best advised one replayed from their own
+    fake steps (``replay(key)`` makes the run), repeating while a replay changes the
+    choice; and the checks of carried against replayed figures. After each replay
+    every carried row is carried again: the new run is a run at its micro-batch, so
+    the next candidate's figure already counts what the replay found."""
+    checks: list[ReservedCheck] = []
+    for advised in (False, True):
+        while True:
+            row = best(_candidates(rows, fit, advised))
+            if row is None or row.reserved_replayed:
+                break
+            replay((row.world_size, row.micro_batch, row.checkpointing))
+            checks.append(_check(row, fit, 1 if advised else 0))
+            rows = [r if r.reserved_replayed else _again(r, fit) for r in rows]
+    return rows, tuple(checks)
+
+
+def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
+    key = (row.world_size, row.micro_batch, row.checkpointing)
+    return dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
+
+
+def _candidates(rows: list[PlanRow], fit: ReservedFit, advised: bool) -> list[PlanRow]:
+    margin = fit.opts.memory.margin_bytes
+    if not advised:
+        return [r for r in rows if r.fits and fit.gpu - r.needed_bytes >= margin]
+    return [
+        r for r in rows if r.fits_with is not None and fit.gpu - r.fits_with.needed_bytes >= margin
+    ]
+
+
+def _check(old: PlanRow, fit: ReservedFit, index: int) -> ReservedCheck:
+    """``old``'s carried reserved peak under setting ``index`` against its replay."""
+    carried = old.fits_with.reserved_bytes if index else old.reserved_bytes
+    key = (old.world_size, old.micro_batch, old.checkpointing)
+    now = fit.reserved_at(key, old.peak_bytes, index)
+    return ReservedCheck(*key, str(fit.confs[index]), carried, now)
