@@ -25,8 +25,8 @@ from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
-from .scheme_peaks import compare_schemes
 from .reserved_fit import ReservedFit, settle
+from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
