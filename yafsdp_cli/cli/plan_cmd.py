@@ -13,6 +13,7 @@ from .flags import (
     FilterOpt,
     FormatOpt,
     GpuMemoryOpt,
+    GpuOpt,
     GradDtypeOpt,
     JsonOpt,
     ModelOpt,
@@ -67,6 +68,37 @@ def plan_command(
             "and memory allow; 1: all in this process). The plan is the same for any N.",
         ),
     ] = None,
+    gpu: GpuOpt = None,
+    gpu_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-profile",
+            help="A GPU profile (JSON, yafsdp_cli/schemas/gpu.schema.json; `yafsdp calibrate` "
+            "writes one) in place of --gpu.",
+            metavar="FILE",
+        ),
+    ] = None,
+    network: Annotated[
+        str | None,
+        typer.Option(
+            "--network",
+            help="Bandwidth between nodes per GPU, e.g. 50GB/s or 400Gbit/s (default 50GB/s).",
+            metavar="RATE",
+        ),
+    ] = None,
+    objective: Annotated[
+        str | None,
+        typer.Option(
+            "--objective",
+            help="How the best row is chosen among the cells that fit: throughput (default: "
+            "most tokens/s per GPU), gpu-hours (with --tokens) or fewest-gpus.",
+            metavar="OBJECTIVE",
+        ),
+    ] = None,
+    tokens: Annotated[
+        str | None,
+        typer.Option("--tokens", help="Tokens to train on, e.g. 2T: the GPU-hours.", metavar="N"),
+    ] = None,
     seq_len: SeqLenOpt = None,
     reserve: ReserveOpt = "2GiB",
     param_dtype: ParamDtypeOpt = "bf16",
@@ -94,14 +126,19 @@ def plan_command(
         check_html_path(html, source)
         from ..errors import YafsdpError
         from ..planning import PlanOptions, parse_ints, parse_size, plan_source
+        from ..planning.plan_options import parse_count, parse_rate
         from ..report import plan_view as view
 
-        if not gpu_memory:
-            raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
+        if not (gpu_memory or gpu or gpu_profile):
+            raise YafsdpError(
+                "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
+            )
         opts = options_from(
             PlanOptions,
             locals(),
-            gpu_memory=parse_size(gpu_memory, "--gpu-memory"),
+            gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None,
+            network=parse_rate(network, "--network"),
+            tokens=parse_count(tokens, "--tokens"),
             world_sizes=parse_ints(world_size, "--world-size"),
             micro_batches=parse_ints(micro_batch, "--micro-batch"),
             checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),

@@ -6,8 +6,9 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``), the fake runs and the lines fitted through them
-(``measure``) and the processes that run them at once (``pool``). It may import
-``profiling``, ``verify`` (the memory this process may use), ``inspect``,
+(``measure``), each cell's step time on a named GPU and the best row by an objective
+(``cell_time``) and the processes that run them at once (``pool``). It may import
+``timing``, ``profiling``, ``verify`` (the memory this process may use), ``inspect``,
 ``memory``, ``sources``, ``engine`` and ``errors``.
 
 >>> from yafsdp_cli.planning import PlanOptions, plan_source
@@ -19,7 +20,15 @@ True
 
 from .fit_grid import context_length, plan_model, plan_source
 from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
-from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
+from .plan_report import (
+    SCHEMA,
+    LinearityCheck,
+    PlanBreakdown,
+    PlanReport,
+    PlanRow,
+    PlanTiming,
+    Smallest,
+)
 
 __all__ = [
     "DEFAULT_RESERVE",
@@ -29,6 +38,7 @@ __all__ = [
     "PlanOptions",
     "PlanReport",
     "PlanRow",
+    "PlanTiming",
     "Smallest",
     "context_length",
     "plan_model",

@@ -21,6 +21,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, needed_bytes
 from ..sources import load_source
+from .cell_time import CellTimer, timed_rows, timing_setup, with_timing
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
@@ -59,7 +60,13 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     ]
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
+    setup = timing_setup(opts)
+    if setup is not None:
+        timer = CellTimer(loaded, opts, seq_len, setup, origin)
+        rows = timed_rows(timer, rows)
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
+    if setup is not None:
+        report = with_timing(report, rows, timer, opts)
     return dataclasses.replace(report, notes=(*dropped, *report.notes))
 
 

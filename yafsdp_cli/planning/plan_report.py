@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .plan_options import PlanOptions
+
+if TYPE_CHECKING:
+    from ..timing import StepEstimate
 
 SCHEMA = "yafsdp.plan/1"
 
@@ -39,6 +43,7 @@ class PlanRow:
     peak_phase: str  # forward | backward | optimizer
     fits: bool
     measured: bool  # False: extrapolated from the measured world size
+    time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +90,19 @@ class PlanReport:
     source_path: str | None = None  # what was given, so `check` can plan it again
     model: str | None = None
     options: PlanOptions | None = None
+    timing: PlanTiming | None = None  # where the plan names a GPU (``cell_time``)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTiming:
+    """What the cells were timed on and how the best row was chosen."""
+
+    gpu: str
+    gpu_source: str  # the datasheet, or the profile file's source
+    network_bytes_per_s: float  # inter-node, per GPU
+    efficiency: dict[str, float]  # the roofline's: matrix, vector, memory, kernel_floor_s
+    objective: str
+    tokens: int | None  # to train on (``--tokens``)
+    gpu_hours: float | None  # the best row's, for ``tokens``
+    wall_hours: float | None
+    count_runs: int  # fake steps counted for the kernels' costs

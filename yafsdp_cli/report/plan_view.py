@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..planning import SCHEMA, PlanReport, PlanRow
 from .formatting import human_bytes, json_document, markdown_table, plain
+from .plan_time_view import best_line, time_section
 
 MARK = {True: "fits", False: "OOM"}
 
@@ -13,9 +14,17 @@ def to_json(report: PlanReport) -> str:
     payload = plain(report)
     # the options as the command line names them: what ``check`` rebuilds them from
     payload["options"] = plain(report.options.flat()) if report.options else None
-    payload["rows"] = [plain(r) for r in report.rows]
+    payload["rows"] = [_row_json(r) for r in report.rows]
+    payload["best"] = _row_json(report.best) if report.best else None
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
     return json_document(SCHEMA, payload)
+
+
+def _row_json(row: PlanRow) -> dict:
+    doc = plain(row)
+    if row.time is not None:
+        doc["time"]["exposed_share"] = row.time.exposed_share
+    return doc
 
 
 def heatmap_data(report: PlanReport) -> dict:
@@ -74,6 +83,9 @@ def summary_lines(report: PlanReport) -> list[str]:
             f"{b.checkpointing} ({b.micro_batch * b.seq_len} tokens per rank, peak "
             f"{human_bytes(b.peak_bytes)} + reserve = {human_bytes(b.needed_bytes)})"
         )
+    fastest = best_line(report)
+    if fastest:
+        lines.append(fastest)
     return lines
 
 
@@ -82,6 +94,9 @@ def to_markdown(report: PlanReport) -> str:
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         parts += [f"**checkpointing {ck}**", "", markdown_table(headers, body), ""]
+    timed = time_section(report)
+    if timed is not None:
+        parts += [f"**{timed.title}**", "", markdown_table(timed.headers, timed.rows), ""]
     parts += [*(f"- {line}" for line in summary_lines(report))]
     parts += ["", *(f"- {n}" for n in report.notes), ""]
     return "\n".join(parts)
@@ -102,6 +117,11 @@ def to_rich(report: PlanReport) -> list:
             # a cell never breaks between its size and its verdict; a header may
             table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
         tables.append(table)
+    timed = time_section(report)
+    if timed is not None:
+        from .formatting import section_table
+
+        tables.append(section_table(timed))
     notes = [*summary_lines(report), *report.notes]
     return [*tables, *(Text(f"  {n}") for n in notes)]
 
@@ -117,4 +137,11 @@ def plan_page(report: PlanReport) -> str:
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
     body = plan_heatmap(heatmap_data(report))
-    return page(title, subtitle, (("plan", "will it fit"),), body)
+    nav = [("plan", "will it fit")]
+    timed = time_section(report)
+    if timed is not None:
+        from .html_base import section_html
+
+        body += f'<section id="time">{section_html(timed)}</section>'
+        nav.append(("time", "how fast"))
+    return page(title, subtitle, tuple(nav), body)

@@ -226,14 +226,26 @@ def best_cell(
     fitting = [c for c in cells if c.fits]
     if not fitting:
         return None
-    keys = {
-        "throughput": lambda c: (-c.estimate.tokens_per_s, c.world_size, c.checkpointing != "none"),
-        "gpu-hours": lambda c: (-c.estimate.tokens_per_s, -c.world_size),
-        "fewest-gpus": lambda c: (c.world_size, -c.estimate.tokens_per_s),
-    }
-    best = min(fitting, key=keys[objective])
+    best = min(fitting, key=objective_key(objective))
     gpu_h = wall_h = None
     if tokens:
         gpu_h = tokens / best.estimate.tokens_per_s / 3600
         wall_h = gpu_h / best.world_size
     return Choice(best, objective, gpu_h, wall_h)
+
+
+def objective_key(objective: str):
+    """The sort key of ``best_cell``'s order under ``objective`` (best first), for
+    anything with ``world_size``, ``checkpointing`` and ``estimate`` or ``time`` (a
+    ``StepEstimate``)."""
+
+    def speed(c) -> float:
+        est = getattr(c, "estimate", None) or c.time
+        return est.tokens_per_s
+
+    keys = {
+        "throughput": lambda c: (-speed(c), c.world_size, c.checkpointing != "none"),
+        "gpu-hours": lambda c: (-speed(c), -c.world_size),
+        "fewest-gpus": lambda c: (c.world_size, -speed(c)),
+    }
+    return keys[objective]
