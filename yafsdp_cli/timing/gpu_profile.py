@@ -20,6 +20,8 @@ writes, so that ``plan --gpu-profile`` times kernels as the measured GPU runs th
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,3 +105,22 @@ def profile_to_dict(profile: GpuProfile) -> dict:
     if profile.calibration:
         doc["calibration"] = profile.calibration
     return doc
+
+
+def write_profile(path: str | Path, profile: GpuProfile) -> None:
+    """``profile`` to ``path``: a temporary file beside it, renamed into place, so a
+    failure leaves no half-written profile."""
+    path = Path(path)
+    text = json.dumps(profile_to_dict(profile), indent=2, allow_nan=False) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise YafsdpError(f"{path}: cannot write the GPU profile there ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
