@@ -44,7 +44,7 @@ from ..timing import (
 )
 from ..timing.gpu_profile import load_profile
 from ..timing.step_costs import PHASES, phase_totals
-from ..timing.step_estimate import objective_key
+from ..timing.step_estimate import objective_key, phase_times
 from .plan_options import PlanOptions
 from .plan_report import PlanRow, PlanTiming
 from .pool import Key, Origin, auto_jobs, run_steps
@@ -198,7 +198,7 @@ class CellTimer:
         self._run([(1, micro_batch, checkpointing)])
         return self.counts[(1, micro_batch, checkpointing)]
 
-    def time(self, row: PlanRow, costs: StepCosts) -> StepEstimate:
+    def time(self, row: PlanRow, costs: StepCosts, phases=None) -> StepEstimate:
         s = self.setup
         return estimate_step(
             costs,
@@ -208,27 +208,25 @@ class CellTimer:
             cluster=s.cluster,
             eff=s.efficiency,
             cfg=self.cfg,
+            phases=phases,
         )
 
 
 def timed_rows(timer: CellTimer, rows: Sequence[PlanRow]) -> list[PlanRow]:
-    """``rows`` with each one's step estimate."""
+    """``rows`` with each one's step estimate; a (micro-batch, checkpointing) choice's
+    kernels are timed on the roofline once, for all its world sizes."""
     timer.count(
         sorted({r.micro_batch for r in rows}), list(dict.fromkeys(r.checkpointing for r in rows))
     )
+    steps: dict[tuple[int, str], tuple] = {}
     out = []
-    for (mb, ck), group in _by_step(rows).items():
-        costs = timer.costs(mb, ck)
-        out += [(r, dataclasses.replace(r, time=timer.time(r, costs))) for r in group]
-    order = {id(r): i for i, r in enumerate(rows)}
-    return [timed for _, timed in sorted(out, key=lambda pair: order[id(pair[0])])]
-
-
-def _by_step(rows: Sequence[PlanRow]) -> dict[tuple[int, str], list[PlanRow]]:
-    groups: dict[tuple[int, str], list[PlanRow]] = {}
     for r in rows:
-        groups.setdefault((r.micro_batch, r.checkpointing), []).append(r)
-    return groups
+        key = (r.micro_batch, r.checkpointing)
+        if key not in steps:
+            costs = timer.costs(*key)
+            steps[key] = (costs, phase_times(costs, timer.setup.gpu, timer.setup.efficiency))
+        out.append(dataclasses.replace(r, time=timer.time(r, *steps[key])))
+    return out
 
 
 def best_timed(rows: Sequence[PlanRow], objective: str | None, tokens: int | None):

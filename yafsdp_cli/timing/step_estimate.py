@@ -42,7 +42,7 @@ from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, sent_bytes, unit_order
 from .gpu_specs import GpuSpec
-from .roofline import Efficiency, phase_time
+from .roofline import Efficiency, PhaseTime, phase_time
 from .step_costs import StepCosts
 
 
@@ -80,13 +80,15 @@ def estimate_step(
     eff: Efficiency | None = None,
     cfg: MemoryConfig | None = None,
     placement: str = "dim0",
+    phases: dict[str, PhaseTime] | None = None,
 ) -> StepEstimate:
-    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size."""
+    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size;
+    ``phases``: ``phase_times(costs, gpu, eff)`` where the caller has them (they do
+    not depend on the layout, so a grid of world sizes computes them once)."""
     cluster, eff = cluster or Cluster(), eff or Efficiency()
     n = layout.world_size
-    fwd = phase_time(costs.ops, "forward", gpu, eff)
-    bwd = phase_time(costs.ops, "backward", gpu, eff)
-    opt = phase_time(costs.ops, "optimizer", gpu, eff)
+    phases = phases or phase_times(costs, gpu, eff)
+    fwd, bwd, opt = phases["forward"], phases["backward"], phases["optimizer"]
     floor = opt.kernels * eff.kernel_floor_s
     optimizer_s = (opt.seconds - floor) * _stepped_share(
         layout, check_scheme(scheme), costs
@@ -112,6 +114,11 @@ def estimate_step(
         sent_bytes=sent_bytes(found),
         model_flops=model,
     )
+
+
+def phase_times(costs: StepCosts, gpu: GpuSpec, eff: Efficiency) -> dict[str, PhaseTime]:
+    """Each phase's kernels on the roofline."""
+    return {p: phase_time(costs.ops, p, gpu, eff) for p in ("forward", "backward", "optimizer")}
 
 
 def _main_dtype(costs: StepCosts) -> str:
