@@ -17,7 +17,7 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.timing import gpu_spec
+from yafsdp_cli.timing import gpu_spec, resolve_gpu
 from yafsdp_cli.timing.calibrate import (
     MatmulRate,
     hbm_bandwidth,
@@ -157,3 +157,9 @@ def test_calibrate_without_a_gpu_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2
     assert "torch sees none here" in result.stderr and result.stderr.count("\n") == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_gpu_table_loader_reads_a_calibrated_profile_too(measured, tmp_path):
+    path = tmp_path / "gpu.json"
+    write_profile(path, measured.profile)
+    assert resolve_gpu(str(path)) == measured.profile.gpu

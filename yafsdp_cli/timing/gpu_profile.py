@@ -54,8 +54,7 @@ def load_profile(path: str | Path) -> GpuProfile:
 def profile_from_dict(doc, where: str = "GPU profile") -> GpuProfile:
     if not isinstance(doc, dict):
         raise YafsdpError(f"{where}: a GPU profile is a JSON object, got {type(doc).__name__}")
-    rest = {k: v for k, v in doc.items() if k not in ("efficiency", "calibration")}
-    gpu = gpu_from_dict(rest, where)
+    gpu = gpu_from_dict(doc, where)
     calibration = doc.get("calibration", {})
     if not isinstance(calibration, dict):
         raise YafsdpError(f"{where}: 'calibration' must be an object")
