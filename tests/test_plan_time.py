@@ -17,7 +17,7 @@ from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.inspect.build import retype_params
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
-from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate
+from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate, ranked_rows
 from yafsdp_cli.planning.plan_options import parse_count, parse_rate
 from yafsdp_cli.planning.plan_report import PlanBreakdown
 from yafsdp_cli.sources import load_source
@@ -123,6 +123,18 @@ def test_the_best_row_under_each_objective(objective, tokens, want):
     if tokens:
         assert gpu_h == pytest.approx(64) and wall_h == pytest.approx(4)
     assert best_timed([r for r in ROWS if not r.fits], objective, tokens) is None
+
+
+def test_speeds_within_one_percent_are_a_tie():
+    near = [row(64, 8, 948.0), row(256, 8, 948.5), row(512, 8, 949.0)]
+    assert best_timed(near, "throughput", None)[0].world_size == 64  # fewer GPUs
+    assert best_timed(near, "gpu-hours", 10**9)[0].world_size == 512  # sooner
+    apart = [row(64, 8, 930.0), row(256, 8, 949.0)]  # 2% apart: the faster
+    assert best_timed(apart, "throughput", None)[0].world_size == 256
+    # the table's order: the tie at the top by world size, then the slower by speed
+    assert [r.world_size for r in ranked_rows([*near, *apart], "throughput")] == [
+        64, 256, 256, 512, 64
+    ]  # fmt: skip
 
 
 def test_untimed_rows_cannot_be_chosen_by_an_objective():

@@ -286,4 +286,8 @@ def _note(timer: CellTimer) -> str:
 
 def ranked_rows(rows: Sequence[PlanRow], objective: str) -> list[PlanRow]:
     """The timed rows that fit, best first under ``objective`` (``best_cell``'s order)."""
-    return sorted((r for r in rows if r.fits and r.time), key=objective_key(objective))
+    fitting = [r for r in rows if r.fits and r.time]
+    if not fitting:
+        return []
+    fastest = max(r.time.tokens_per_s for r in fitting)
+    return sorted(fitting, key=objective_key(objective, fastest))

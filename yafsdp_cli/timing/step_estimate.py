@@ -192,6 +192,7 @@ def exposed_time(compute: list[float], before: list[float], after: list[float]) 
 
 OBJECTIVES = ("throughput", "gpu-hours", "fewest-gpus")
 DEFAULT_OBJECTIVE = "throughput"
+SAME_SPEED = 0.01  # tokens/s this close to the fastest (a fraction of it) are a tie
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +226,10 @@ def best_cell(
       (``tokens / tokens_per_s_per_gpu / 3600``: the same order as throughput, with
       the hours); ties go to the shorter wall time;
     - ``fewest-gpus``: the smallest world size that fits; ties go to throughput.
+
+    Speeds within ``SAME_SPEED`` of the fastest cell's are a tie: the model is not
+    finer than that, and a plan of a large model has many world sizes whose speeds
+    differ only by the optimizer's shrinking shard (``objective_key``).
     """
     if objective not in OBJECTIVES:
         raise YafsdpError(f"objective {objective!r} is not one of {'|'.join(OBJECTIVES)}")
@@ -233,7 +238,8 @@ def best_cell(
     fitting = [c for c in cells if c.fits]
     if not fitting:
         return None
-    best = min(fitting, key=objective_key(objective))
+    fastest = max(c.estimate.tokens_per_s for c in fitting)
+    best = min(fitting, key=objective_key(objective, fastest))
     gpu_h = wall_h = None
     if tokens:
         gpu_h = tokens / best.estimate.tokens_per_s / 3600
@@ -241,14 +247,16 @@ def best_cell(
     return Choice(best, objective, gpu_h, wall_h)
 
 
-def objective_key(objective: str):
+def objective_key(objective: str, fastest: float):
     """The sort key of ``best_cell``'s order under ``objective`` (best first), for
     anything with ``world_size``, ``checkpointing`` and ``estimate`` or ``time`` (a
-    ``StepEstimate``)."""
+    ``StepEstimate``); ``fastest``: the most tokens/s per GPU of the cells sorted, whose
+    speed every cell within ``SAME_SPEED`` of it counts as having."""
 
     def speed(c) -> float:
         est = getattr(c, "estimate", None) or c.time
-        return est.tokens_per_s
+        tps = est.tokens_per_s
+        return fastest if tps >= (1 - SAME_SPEED) * fastest else tps
 
     keys = {
         "throughput": lambda c: (-speed(c), c.world_size, c.checkpointing != "none"),
