@@ -58,8 +58,8 @@ def best_line(report: PlanReport) -> str | None:
     if t is None or b is None:
         return None
     why = {
-        "throughput": "the most tokens/s per GPU among the cells that fit",
-        "gpu-hours": "the fewest GPU-hours among the cells that fit",
+        "throughput": "the most tokens/s per GPU that fits, to within 1%, on the fewest GPUs",
+        "gpu-hours": "the fewest GPU-hours that fit, to within 1%, on the most GPUs",
         "fewest-gpus": "the fewest GPUs that fit, then the most tokens/s per GPU",
     }[t.objective]
     line = (
