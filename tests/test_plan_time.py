@@ -222,7 +222,7 @@ def test_plan_markdown_table_and_html_show_the_time_columns(tmp_path):
     page = tmp_path / "plan.html"
     for fmt in ("markdown", "table"):
         args = [*GPT, "--gpu", "h100-sxm", "--format", fmt, "--html", str(page)]
-        result = runner.invoke(app, args)
+        result = runner.invoke(app, args, env={"COLUMNS": "200"})  # headers on one line
         assert result.exit_code == 0, result.output
         for column in ("tokens/s per GPU", "MFU", "exposed comm", "fastest by throughput"):
             assert column in result.output, (fmt, column)
