@@ -31,6 +31,7 @@ COMMAND_MODULES = {
     "verify": "verify_cmd",
     "plan": "plan_cmd",
     "profile": "profile_cmd",
+    "calibrate": "calibrate_cmd",
 }
 _ROOT_FLAGS = ("--debug",)  # root options that may come before the command name
 

@@ -148,6 +148,17 @@ GradDtypeOpt = Annotated[
     ),
 ]
 
+# the GPU the step-time model times steps on
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        help="A GPU of the table (A100-40GB, A100-80GB, H100-SXM, H100-PCIe, H200, B200, "
+        "L40S, MI300X): its figures time each step; sets --gpu-memory unless given.",
+        metavar="NAME",
+    ),
+]
+
 # the memory configuration
 GpuMemoryOpt = Annotated[
     str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -14,6 +15,7 @@ from .flags import (
     FilterOpt,
     FormatOpt,
     GpuMemoryOpt,
+    GpuOpt,
     GradDtypeOpt,
     JsonOpt,
     MarginOpt,
@@ -78,6 +80,37 @@ def plan_command(
             "and memory allow; 1: all in this process). The plan is the same for any N.",
         ),
     ] = None,
+    gpu: GpuOpt = None,
+    gpu_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-profile",
+            help="A GPU profile (JSON, yafsdp_cli/schemas/gpu.schema.json; `yafsdp calibrate` "
+            "writes one) in place of --gpu.",
+            metavar="FILE",
+        ),
+    ] = None,
+    network: Annotated[
+        str | None,
+        typer.Option(
+            "--network",
+            help="Bandwidth between nodes per GPU, e.g. 50GB/s or 400Gbit/s (default 50GB/s).",
+            metavar="RATE",
+        ),
+    ] = None,
+    objective: Annotated[
+        str | None,
+        typer.Option(
+            "--objective",
+            help="How the best row is chosen among the cells that fit: throughput (default: "
+            "most tokens/s per GPU), gpu-hours (with --tokens) or fewest-gpus.",
+            metavar="OBJECTIVE",
+        ),
+    ] = None,
+    tokens: Annotated[
+        str | None,
+        typer.Option("--tokens", help="Tokens to train on, e.g. 2T: the GPU-hours.", metavar="N"),
+    ] = None,
     seq_len: SeqLenOpt = None,
     reserve: ReserveOpt = None,
     outside: OutsideOpt = None,
@@ -109,24 +142,30 @@ def plan_command(
         from ..errors import YafsdpError
         from ..memory.step_schemes import check_schemes
         from ..planning import PlanOptions, parse_ints, parse_size, plan_source
-        from ..planning.plan_options import parse_margin, parse_outside
+        from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
         from ..report import plan_view as view
 
-        if not gpu_memory:
-            raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
-        gpu_bytes = parse_size(gpu_memory, "--gpu-memory")
+        if not (gpu_memory or gpu or gpu_profile):
+            raise YafsdpError(
+                "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
+            )
         opts = options_from(
             PlanOptions,
             locals(),
-            gpu_memory=gpu_bytes,
+            gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None,
+            network=parse_rate(network, "--network"),
+            tokens=parse_count(tokens, "--tokens"),
             world_sizes=parse_ints(world_size, "--world-size"),
             micro_batches=parse_ints(micro_batch, "--micro-batch"),
             checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
             reserve=None if reserve is None else parse_size(reserve, "--reserve"),
             outside=parse_outside(outside),
-            margin=parse_margin(margin, gpu_bytes),
+            margin=None,  # a share of the GPU's memory, known once a named GPU is resolved
             schemes=check_schemes(scheme),
         )
+        if margin is not None:
+            kept = parse_margin(margin, opts.memory.gpu_memory)
+            opts = replace(opts, memory=replace(opts.memory, margin=kept))
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:

@@ -7,9 +7,11 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``), the fake runs and the lines fitted through them
 (``measure``), each cell's reserved peak and the memory beside the allocator
-(``reserved_fit``), the processes that run them at once (``pool``) and the other
-training schemes' peaks over the same grid (``scheme_peaks``, ``plan --scheme``). It may import
-``profiling``, ``verify`` (the memory this process may use), ``inspect``,
+(``reserved_fit``), each cell's step time on a named GPU and the best row by an
+objective (``cell_time``), the processes that run them at once (``pool``) and the
+other training schemes' peaks over the same grid (``scheme_peaks``, ``plan --scheme``).
+It may import ``timing``, ``profiling``, ``verify`` (the memory this process may use),
+``inspect``,
 ``memory``, ``sources``, ``engine`` and ``errors``.
 
 >>> from yafsdp_cli.planning import PlanOptions, plan_source
@@ -21,7 +23,15 @@ True
 
 from .fit_grid import context_length, plan_model, plan_source
 from .plan_options import PlanOptions, parse_ints, parse_size
-from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
+from .plan_report import (
+    SCHEMA,
+    LinearityCheck,
+    PlanBreakdown,
+    PlanReport,
+    PlanRow,
+    PlanTiming,
+    Smallest,
+)
 
 __all__ = [
     "SCHEMA",
@@ -30,6 +40,7 @@ __all__ = [
     "PlanOptions",
     "PlanReport",
     "PlanRow",
+    "PlanTiming",
     "Smallest",
     "context_length",
     "plan_model",

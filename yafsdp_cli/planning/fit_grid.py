@@ -21,6 +21,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits
 from ..sources import load_source
+from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
@@ -62,13 +63,20 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     ]
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
-    rows, reserved_checks = settle(rows, fit, lambda key: runner.prefetch([key]), best_row)
+    setup = timing_setup(opts)
+    if setup is not None:
+        timer = CellTimer(loaded, opts, seq_len, setup, origin)
+        rows = timed_rows(timer, rows)
+    chooser = best_row if setup is None else _by_objective(opts)
+    rows, reserved_checks = settle(rows, fit, lambda key: runner.prefetch([key]), chooser)
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
     report = dataclasses.replace(
         report,
         reserved_checks=reserved_checks,
         notes=(*report.notes, *map(_reserved_note, reserved_checks)),
     )
+    if setup is not None:
+        report = with_timing(report, rows, timer, opts)
     if opts.schemes != ("flat",):
         schemes = compare_schemes(loaded, opts, runner, lines, _line_for)
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
@@ -232,6 +240,18 @@ def smallest_fitting(rows) -> tuple[Smallest, ...]:
         ]
         out.append(Smallest(mb, ck, min(fit) if fit else None))
     return tuple(out)
+
+
+def _by_objective(opts: PlanOptions):
+    """The best of candidate rows (already known to fit) under the plan's objective:
+    the row ``with_timing`` will choose, so it is the one replayed."""
+
+    def choose(rows):
+        forced = [dataclasses.replace(r, fits=True) for r in rows]
+        got = best_timed(forced, opts.objective, opts.tokens)
+        return None if got is None else rows[next(i for i, r in enumerate(forced) if r is got[0])]
+
+    return choose
 
 
 def best_row(rows) -> PlanRow | None:

@@ -55,6 +55,11 @@ class PlanOptions(Composed):
         "jobs",
         "seed",
         "schemes",
+        "gpu",
+        "gpu_profile",
+        "network",
+        "objective",
+        "tokens",
     )
     DEFAULTS = {
         "seq_len": None,
@@ -72,10 +77,20 @@ class PlanOptions(Composed):
     checkpointing: tuple[str, ...] = CHECKPOINTING  # the grid's; the step piece's is unused
     jobs: int | None = None  # fake runs at once (processes); None: cores and memory allow
     schemes: tuple[str, ...] = ("flat",)  # memory.step_schemes.SCHEMES to compare
+    # the step-time model's inputs (``cell_time``); a named GPU sets ``gpu_memory``
+    # where it is not given
+    gpu: str | None = None  # a GPU of ``timing.GPUS``, any case
+    gpu_profile: str | None = None  # a JSON GPU profile (``schemas/gpu.schema.json``)
+    network: float | None = None  # inter-node bytes/s per GPU; None: ``timing.Cluster``'s
+    objective: str | None = None  # how the best row is chosen; None: the default objective
+    tokens: int | None = None  # tokens to train on, for the GPU-hours
 
     def __post_init__(self) -> None:
+        self._check_timing()
         if self.memory.gpu_memory is None:
-            raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
+            raise YafsdpError(
+                "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
+            )
         for flag, values in (("world-size", self.world_sizes), ("micro-batch", self.micro_batches)):
             if values is not None and (not values or min(values) < 1):
                 raise YafsdpError(f"--{flag} needs numbers of at least 1, got {values}")
@@ -88,6 +103,37 @@ class PlanOptions(Composed):
         if self.step.param_dtype is not None:  # the report names it in full
             step = dataclasses.replace(self.step, param_dtype=dtypes.canonical(self.param_dtype))
             object.__setattr__(self, "step", step)
+
+    def _check_timing(self) -> None:
+        """The step-time options, checked before any fake run; a named GPU's memory
+        is the plan's ``gpu_memory`` unless that is given."""
+        timed = self.gpu is not None or self.gpu_profile is not None
+        if self.gpu is not None and self.gpu_profile is not None:
+            raise YafsdpError("give --gpu or --gpu-profile, not both")
+        for flag, value in (("network", self.network), ("objective", self.objective)):
+            if value is not None and not timed:
+                raise YafsdpError(
+                    f"--{flag} needs the GPU the steps run on: --gpu or --gpu-profile"
+                )
+        check_at_least("tokens", self.tokens)
+        if self.network is not None and not self.network > 0:
+            raise YafsdpError(f"--network must be a positive bandwidth, got {self.network}")
+        if not timed:
+            return
+        from ..timing.gpu_profile import load_profile
+        from ..timing.gpu_specs import gpu_spec
+        from ..timing.step_estimate import OBJECTIVES
+
+        if self.objective is not None and self.objective not in OBJECTIVES:
+            raise YafsdpError(
+                f"--objective {self.objective!r} is not one of {'|'.join(OBJECTIVES)}"
+            )
+        if self.objective == "gpu-hours" and self.tokens is None:
+            raise YafsdpError("--objective gpu-hours needs --tokens, the tokens to train on")
+        gpu = gpu_spec(self.gpu) if self.gpu else load_profile(self.gpu_profile).gpu
+        if self.memory.gpu_memory is None:
+            memory = dataclasses.replace(self.memory, gpu_memory=gpu.memory_bytes)
+            object.__setattr__(self, "memory", memory)
 
     def memory_config(self) -> MemoryConfig:
         return memory_config(self.step, self.memory)
@@ -170,3 +216,39 @@ def parse_margin(text: str | None, gpu_memory: int) -> int | None:
     if not 0 <= share < 100:
         raise YafsdpError(f"--margin {text!r}: a share is a number from 0 to 100 with %, e.g. 3%")
     return round(share / 100 * gpu_memory)
+
+
+_RATE_UNITS = {"gb/s": 1e9, "gib/s": 2**30, "mb/s": 1e6, "tb/s": 1e12, "gbit/s": 1e9 / 8}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_rate(text: str | None, flag: str) -> float | None:
+    """``"50GB/s"`` -> bytes/s (GB, MB, TB: powers of 1000; GiB/s: of 1024; Gbit/s:
+    bits, as NICs are sold: ``400Gbit/s`` is 50 GB/s)."""
+    if text is None:
+        return None
+    s = text.strip().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ/")
+    unit = s[len(number) :].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _RATE_UNITS or not value > 0:
+        raise YafsdpError(f"{flag} {text!r} is not a bandwidth; write it like 50GB/s or 400Gbit/s")
+    return value * _RATE_UNITS[unit]
+
+
+def parse_count(text: str | None, flag: str) -> int | None:
+    """``"2T"`` -> 2 * 10**12 (K, M, B or G, T: thousands to trillions; ``2e12`` too)."""
+    if text is None:
+        return None
+    s = text.strip().replace("_", "").replace(",", "").lower()
+    unit = s[-1] if s and s[-1] in "kmbgt" else ""
+    try:
+        value = float(s[: len(s) - len(unit)]) * _COUNT_UNITS[unit]
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise YafsdpError(f"{flag} {text!r} is not a count; write it like 2T, 300B or 2e12")
+    return int(value)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..memory.outside_allocator import OutsidePart
 from .plan_options import PlanOptions
+
+if TYPE_CHECKING:
+    from ..timing import StepEstimate
 
 SCHEMA = "yafsdp.plan/1"
 
@@ -55,6 +59,7 @@ class PlanRow:
     outside: tuple[OutsidePart, ...]  # held beside the allocator: context, workspaces, NCCL
     reserved_replayed: bool  # True: from this cell's own fake step; False: carried
     fits_with: AllocAdvice | None  # when it fits only under another allocator setting
+    time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,3 +138,19 @@ class PlanReport:
     model: str | None = None
     options: PlanOptions | None = None
     schemes: tuple = ()  # scheme_peaks.SchemePlan per --scheme; () for the flat scheme alone
+    timing: PlanTiming | None = None  # where the plan names a GPU (``cell_time``)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTiming:
+    """What the cells were timed on and how the best row was chosen."""
+
+    gpu: str
+    gpu_source: str  # the datasheet, or the profile file's source
+    network_bytes_per_s: float  # inter-node, per GPU
+    efficiency: dict[str, float]  # the roofline's: matrix, vector, memory, kernel_floor_s
+    objective: str
+    tokens: int | None  # to train on (``--tokens``)
+    gpu_hours: float | None  # the best row's, for ``tokens``
+    wall_hours: float | None
+    count_runs: int  # fake steps counted for the kernels' costs

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..planning import SCHEMA, PlanReport, PlanRow
 from . import scheme_view
 from .formatting import human_bytes, json_document, markdown_table, plain
+from .plan_time_view import best_line, time_section
 
 MARK = {True: "fits", False: "OOM"}
 ADVISED = "fits*"  # fits only under another allocator setting (the legend names it)
@@ -15,11 +16,19 @@ def to_json(report: PlanReport) -> str:
     payload = plain(report)
     # the options as the command line names them: what ``check`` rebuilds them from
     payload["options"] = plain(report.options.flat()) if report.options else None
-    payload["rows"] = [plain(r) for r in report.rows]
+    payload["rows"] = [_row_json(r) for r in report.rows]
+    payload["best"] = _row_json(report.best) if report.best else None
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
     payload["schemes"] = scheme_view.payload(report)
     payload["reserved_checks"] = [{**plain(c), "error": c.error} for c in report.reserved_checks]
     return json_document(SCHEMA, payload)
+
+
+def _row_json(row: PlanRow) -> dict:
+    doc = plain(row)
+    if row.time is not None:
+        doc["time"]["exposed_share"] = row.time.exposed_share
+    return doc
 
 
 def heatmap_data(report: PlanReport) -> dict:
@@ -105,6 +114,9 @@ def summary_lines(report: PlanReport) -> list[str]:
     if report.advice is not None:
         advice = report.advice
         lines.append(f"better with {advice.export}: " + _breakdown(advice.row, report))
+    fastest = best_line(report)
+    if fastest:
+        lines.append(fastest)
     return lines
 
 
@@ -125,6 +137,9 @@ def to_markdown(report: PlanReport) -> str:
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         parts += [f"**checkpointing {ck}**", "", markdown_table(headers, body), ""]
+    timed = time_section(report)
+    if timed is not None:
+        parts += [f"**{timed.title}**", "", markdown_table(timed.headers, timed.rows), ""]
     parts += scheme_view.to_markdown(report)
     parts += ["**every cell**", "", markdown_table(*cells(report)), ""]
     parts += [*(f"- {line}" for line in summary_lines(report))]
@@ -178,6 +193,11 @@ def to_rich(report: PlanReport) -> list:
             # a cell never breaks between its size and its verdict; a header may
             table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
         tables.append(table)
+    timed = time_section(report)
+    if timed is not None:
+        from .formatting import section_table
+
+        tables.append(section_table(timed))
     notes = [*summary_lines(report), *report.notes]
     return [*tables, *scheme_view.to_rich(report), *(Text(f"  {n}") for n in notes)]
 
@@ -194,9 +214,14 @@ def plan_page(report: PlanReport) -> str:
 
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
-    from .html_base import esc
+    from .html_base import esc, section_html
 
     items = "".join(f"<li>{esc(line)}</li>" for line in (*summary_lines(report), *report.notes))
     body = plan_heatmap(heatmap_data(report)) + f'<section id="fit"><ul>{items}</ul></section>'
+    nav = [("plan", "will it fit"), ("fit", "figures")]
+    timed = time_section(report)
+    if timed is not None:
+        body += f'<section id="time">{section_html(timed)}</section>'
+        nav.append(("time", "how fast"))
     body += scheme_view.to_html(report)
-    return page(title, subtitle, (("plan", "will it fit"), ("fit", "figures")), body)
+    return page(title, subtitle, tuple(nav), body)

@@ -4,9 +4,11 @@ Owns the per-kernel costs of a fake step (``op_costs``: matrix and vector FLOPs,
 bytes, kernels, counted as ``profile --fake`` runs the step; ``step_costs``: the
 step and its per-phase totals), the roofline that turns them into time
 (``roofline``), the GPUs' figures (``gpu_specs``, with the schema of a user's own
-profile in ``schemas/gpu.schema.json``), the bytes each scheme's collectives move
-and their ring time (``comm_volume``), and a configuration's step estimate with the
-chooser of the best one (``step_estimate``). It may import ``profiling``, ``memory``,
+profile in ``schemas/gpu.schema.json``; ``gpu_profile``: a profile file with its
+measured efficiencies), the bytes each scheme's collectives move and their ring
+time (``comm_volume``), a configuration's step estimate with the chooser of the best
+one (``step_estimate``), and the measurement of a device into a profile
+(``calibrate``, the library half of ``yafsdp calibrate``). It may import ``profiling``, ``memory``,
 ``engine`` and ``errors``; ``planning``, ``report`` and ``cli`` may import it.
 """
 

@@ -129,6 +129,8 @@ def load_gpu(path: str | Path) -> GpuSpec:
 def gpu_from_dict(doc, where: str = "GPU profile") -> GpuSpec:
     if not isinstance(doc, dict):
         raise YafsdpError(f"{where}: a GPU profile is a JSON object, got {type(doc).__name__}")
+    # a calibrated profile's efficiencies and record are ``gpu_profile``'s to read
+    doc = {k: v for k, v in doc.items() if k not in ("efficiency", "calibration")}
     extra = sorted(set(doc) - set(FIELDS) - set(OPTIONAL))
     if extra:
         raise YafsdpError(f"{where}: unknown field {extra[0]!r}; fields: {', '.join(FIELDS)}")

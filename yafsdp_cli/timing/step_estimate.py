@@ -42,7 +42,7 @@ from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, sent_bytes, unit_order
 from .gpu_specs import GpuSpec
-from .roofline import Efficiency, phase_time
+from .roofline import Efficiency, PhaseTime, phase_time
 from .step_costs import StepCosts
 
 
@@ -80,13 +80,15 @@ def estimate_step(
     eff: Efficiency | None = None,
     cfg: MemoryConfig | None = None,
     placement: str = "dim0",
+    phases: dict[str, PhaseTime] | None = None,
 ) -> StepEstimate:
-    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size."""
+    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size;
+    ``phases``: ``phase_times(costs, gpu, eff)`` where the caller has them (they do
+    not depend on the layout, so a grid of world sizes computes them once)."""
     cluster, eff = cluster or Cluster(), eff or Efficiency()
     n = layout.world_size
-    fwd = phase_time(costs.ops, "forward", gpu, eff)
-    bwd = phase_time(costs.ops, "backward", gpu, eff)
-    opt = phase_time(costs.ops, "optimizer", gpu, eff)
+    phases = phases or phase_times(costs, gpu, eff)
+    fwd, bwd, opt = phases["forward"], phases["backward"], phases["optimizer"]
     floor = opt.kernels * eff.kernel_floor_s
     optimizer_s = (opt.seconds - floor) * _stepped_share(
         layout, check_scheme(scheme), costs
@@ -112,6 +114,11 @@ def estimate_step(
         sent_bytes=sent_bytes(found),
         model_flops=model,
     )
+
+
+def phase_times(costs: StepCosts, gpu: GpuSpec, eff: Efficiency) -> dict[str, PhaseTime]:
+    """Each phase's kernels on the roofline."""
+    return {p: phase_time(costs.ops, p, gpu, eff) for p in ("forward", "backward", "optimizer")}
 
 
 def _main_dtype(costs: StepCosts) -> str:
@@ -185,6 +192,7 @@ def exposed_time(compute: list[float], before: list[float], after: list[float]) 
 
 OBJECTIVES = ("throughput", "gpu-hours", "fewest-gpus")
 DEFAULT_OBJECTIVE = "throughput"
+SAME_SPEED = 0.01  # tokens/s this close to the fastest (a fraction of it) are a tie
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +226,10 @@ def best_cell(
       (``tokens / tokens_per_s_per_gpu / 3600``: the same order as throughput, with
       the hours); ties go to the shorter wall time;
     - ``fewest-gpus``: the smallest world size that fits; ties go to throughput.
+
+    Speeds within ``SAME_SPEED`` of the fastest cell's are a tie: the model is not
+    finer than that, and a plan of a large model has many world sizes whose speeds
+    differ only by the optimizer's shrinking shard (``objective_key``).
     """
     if objective not in OBJECTIVES:
         raise YafsdpError(f"objective {objective!r} is not one of {'|'.join(OBJECTIVES)}")
@@ -226,14 +238,29 @@ def best_cell(
     fitting = [c for c in cells if c.fits]
     if not fitting:
         return None
-    keys = {
-        "throughput": lambda c: (-c.estimate.tokens_per_s, c.world_size, c.checkpointing != "none"),
-        "gpu-hours": lambda c: (-c.estimate.tokens_per_s, -c.world_size),
-        "fewest-gpus": lambda c: (c.world_size, -c.estimate.tokens_per_s),
-    }
-    best = min(fitting, key=keys[objective])
+    fastest = max(c.estimate.tokens_per_s for c in fitting)
+    best = min(fitting, key=objective_key(objective, fastest))
     gpu_h = wall_h = None
     if tokens:
         gpu_h = tokens / best.estimate.tokens_per_s / 3600
         wall_h = gpu_h / best.world_size
     return Choice(best, objective, gpu_h, wall_h)
+
+
+def objective_key(objective: str, fastest: float):
+    """The sort key of ``best_cell``'s order under ``objective`` (best first), for
+    anything with ``world_size``, ``checkpointing`` and ``estimate`` or ``time`` (a
+    ``StepEstimate``); ``fastest``: the most tokens/s per GPU of the cells sorted, whose
+    speed every cell within ``SAME_SPEED`` of it counts as having."""
+
+    def speed(c) -> float:
+        est = getattr(c, "estimate", None) or c.time
+        tps = est.tokens_per_s
+        return fastest if tps >= (1 - SAME_SPEED) * fastest else tps
+
+    keys = {
+        "throughput": lambda c: (-speed(c), c.world_size, c.checkpointing != "none"),
+        "gpu-hours": lambda c: (-speed(c), -c.world_size),
+        "fewest-gpus": lambda c: (c.world_size, -speed(c)),
+    }
+    return keys[objective]

@@ -1,0 +1,307 @@
+"""Step time, tokens/s per GPU, MFU and exposed communication for every cell of a plan.
+
+A cell's kernels do not depend on its world size (each rank runs its own
+micro-batch; sharding moves bytes between ranks, ``timing.comm_volume``), only on its
+micro-batch and checkpointing choice. So the step is counted (``timing.count_step``,
+the same fake step ``profile --fake`` runs, every kernel's FLOPs and bytes) at the
+grid's two smallest micro-batches per checkpointing choice, and every other
+micro-batch's kernels come from those two, kernel by kernel: at a fixed sequence
+length a kernel's FLOPs and bytes are ``a + b * micro_batch`` (a product reads its
+weight once and its activations per sequence; an optimizer kernel does not depend on
+the batch at all), so two counts give both terms exactly, and the roofline then
+times each kernel as it would a direct count (``tests/test_plan_time.py`` checks the
+line against the cell's own count). Where the two counts do not run the same kernels
+in the same order, every micro-batch is counted instead.
+
+Each cell then gets ``timing.estimate_step`` with the layout of its own world size
+(the flat scheme's collectives, one unit prefetched), and the best row is the one
+``timing.best_cell`` picks under the objective, among the cells that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from ..engine.plan import plan
+from ..errors import YafsdpError
+from ..inspect.build import retype_params
+from ..profiling import ProfileOptions
+from ..timing import (
+    DEFAULT_OBJECTIVE,
+    Cluster,
+    Efficiency,
+    GpuSpec,
+    StepCosts,
+    StepEstimate,
+    TimedCell,
+    best_cell,
+    count_step,
+    estimate_step,
+    gpu_spec,
+)
+from ..timing.gpu_profile import load_profile
+from ..timing.step_costs import PHASES, phase_totals
+from ..timing.step_estimate import objective_key, phase_times
+from .plan_options import PlanOptions
+from .plan_report import PlanRow, PlanTiming
+from .pool import Key, Origin, auto_jobs, run_steps
+
+
+@dataclass(frozen=True, slots=True)
+class TimingSetup:
+    """What a plan's cells are timed on: the GPU, its kernels' efficiencies, the
+    network between nodes."""
+
+    gpu: GpuSpec
+    efficiency: Efficiency
+    cluster: Cluster
+
+
+def timing_setup(opts: PlanOptions) -> TimingSetup | None:
+    """The GPU that ``opts`` names (``gpu`` from the table, or ``gpu_profile``, a JSON
+    file with its own efficiencies); None where it names none."""
+    if opts.gpu_profile is not None:
+        profile = load_profile(opts.gpu_profile)
+        gpu, eff = profile.gpu, profile.efficiency
+    elif opts.gpu is not None:
+        gpu, eff = gpu_spec(opts.gpu), Efficiency()
+    else:
+        return None
+    cluster = Cluster() if opts.network is None else Cluster(inter_node_bytes_per_s=opts.network)
+    return TimingSetup(gpu, eff, cluster)
+
+
+def count_cell(loaded, opts: PlanOptions, seq_len: int, key: Key) -> StepCosts:
+    """The kernels of one step of ``key`` = (world size, micro-batch, checkpointing);
+    the world size is not used (a rank's kernels do not depend on it)."""
+    _, micro_batch, checkpointing = key
+    step = ProfileOptions(
+        optimizer=opts.optimizer,
+        optimizer_impl=opts.optimizer_impl,
+        units=opts.units,
+        batch=micro_batch,
+        seq_len=seq_len,
+        seed=opts.seed,
+        fake=True,
+        param_dtype=opts.param_dtype,
+        grad_dtype=opts.grad_dtype,
+        checkpointing=checkpointing,
+        target=opts.target,
+    )
+    return count_step(loaded, step)
+
+
+def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: int):
+    """The step's costs at micro-batch ``mb`` from two counts at ``low_mb`` and
+    ``high_mb``, kernel by kernel (see the module docstring); None where the two
+    counts do not run the same kernels."""
+    if mb in (low_mb, high_mb):
+        return low if mb == low_mb else high
+    if len(low.ops) != len(high.ops):
+        return None
+    ops = []
+    for a, b in zip(low.ops, high.ops):
+        if (a.name, a.phase, a.dtype, a.recompute) != (b.name, b.phase, b.dtype, b.recompute):
+            return None
+        ops.append(
+            dataclasses.replace(
+                a,
+                **{
+                    f: _on_line(getattr(a, f), getattr(b, f), low_mb, high_mb, mb)
+                    for f in ("matrix_flops", "model_flops", "vector_flops", "bytes")
+                },
+            )
+        )
+    ops = tuple(ops)
+    return dataclasses.replace(
+        low,
+        ops=ops,
+        phases=tuple(phase_totals(ops, p) for p in PHASES),
+        tokens=low.tokens // low_mb * mb,
+    )
+
+
+def _on_line(a: int, b: int, x0: int, x1: int, x: int) -> int:
+    """The integer on the line through (x0, a) and (x1, b) at x (exact where the
+    counts are linear, as integer counts of a linear function are)."""
+    return a + round((b - a) * (x - x0) / (x1 - x0))
+
+
+class CellTimer:
+    """Counts the kernels a plan's cells need and times each cell."""
+
+    def __init__(self, loaded, opts: PlanOptions, seq_len: int, setup: TimingSetup, origin):
+        self.loaded, self.opts, self.seq_len, self.setup = loaded, opts, seq_len, setup
+        self.origin: Origin | None = origin
+        self.counts: dict[Key, StepCosts] = {}
+        spec = retype_params(loaded.spec, opts.param_dtype)
+        cfg = opts.memory_config()
+
+        @cache
+        def layout(world_size: int):
+            return plan(
+                spec,
+                filters=opts.filters,
+                excludes=opts.excludes,
+                units=opts.units,
+                world_size=world_size,
+                align=opts.align,
+            )
+
+        self.layout, self.cfg = layout, cfg
+
+    def count(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> None:
+        """Counts the two smallest micro-batches of each checkpointing choice."""
+        points = sorted(set(micro_batches))[:2]
+        self._run([(1, mb, ck) for ck in checkpointing for mb in points])
+
+    def _run(self, keys: list[Key]) -> None:
+        wanted = [k for k in dict.fromkeys(keys) if k not in self.counts]
+        if not wanted:
+            return
+        jobs = self.opts.jobs
+        if jobs is None:
+            modules = sum(1 for _ in self.loaded.module.modules())
+            jobs = auto_jobs(len(wanted), modules)
+        found = run_steps(
+            wanted,
+            lambda key: count_cell(self.loaded, self.opts, self.seq_len, key),
+            jobs=jobs,
+            origin=self.origin,
+            measure=count_cell,
+            worker_args=(self.opts, self.seq_len),
+        )
+        self.counts.update(found)
+
+    @property
+    def runs(self) -> int:
+        return len(self.counts)
+
+    def costs(self, micro_batch: int, checkpointing: str) -> StepCosts:
+        have = sorted(mb for (_, mb, ck) in self.counts if ck == checkpointing)
+        if micro_batch in have:
+            return self.counts[(1, micro_batch, checkpointing)]
+        if len(have) >= 2:
+            low, high = have[0], have[1]
+            found = interpolate(
+                self.counts[(1, low, checkpointing)],
+                self.counts[(1, high, checkpointing)],
+                low,
+                high,
+                micro_batch,
+            )
+            if found is not None:
+                return found
+        self._run([(1, micro_batch, checkpointing)])
+        return self.counts[(1, micro_batch, checkpointing)]
+
+    def time(self, row: PlanRow, costs: StepCosts, phases=None) -> StepEstimate:
+        s = self.setup
+        return estimate_step(
+            costs,
+            self.layout(row.world_size),
+            s.gpu,
+            scheme="yafsdp",
+            cluster=s.cluster,
+            eff=s.efficiency,
+            cfg=self.cfg,
+            phases=phases,
+        )
+
+
+def timed_rows(timer: CellTimer, rows: Sequence[PlanRow]) -> list[PlanRow]:
+    """``rows`` with each one's step estimate; a (micro-batch, checkpointing) choice's
+    kernels are timed on the roofline once, for all its world sizes."""
+    timer.count(
+        sorted({r.micro_batch for r in rows}), list(dict.fromkeys(r.checkpointing for r in rows))
+    )
+    steps: dict[tuple[int, str], tuple] = {}
+    out = []
+    for r in rows:
+        key = (r.micro_batch, r.checkpointing)
+        if key not in steps:
+            costs = timer.costs(*key)
+            steps[key] = (costs, phase_times(costs, timer.setup.gpu, timer.setup.efficiency))
+        out.append(dataclasses.replace(r, time=timer.time(r, *steps[key])))
+    return out
+
+
+def best_timed(rows: Sequence[PlanRow], objective: str | None, tokens: int | None):
+    """The best of the timed rows that fit under ``objective`` (default
+    ``timing.DEFAULT_OBJECTIVE``), with its GPU-hours and wall hours for ``tokens``
+    where given: ``(row, gpu_hours, wall_hours)``, or None if none fits."""
+    if any(r.time is None for r in rows):
+        raise YafsdpError("choosing by an objective needs every row timed: name the GPU")
+    cells = [TimedCell(r.world_size, r.micro_batch, r.checkpointing, r.fits, r.time) for r in rows]
+    choice = best_cell(cells, objective or DEFAULT_OBJECTIVE, tokens)
+    if choice is None:
+        return None
+    row = rows[cells.index(choice.cell)]
+    return row, choice.gpu_hours, choice.wall_hours
+
+
+def _unfit(row: PlanRow) -> PlanRow:
+    return dataclasses.replace(row, fits=False)
+
+
+def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOptions):
+    """``report`` (a ``PlanReport``) with its timed ``rows``, the best row by the
+    objective, and what the cells were timed on."""
+    objective = opts.objective or DEFAULT_OBJECTIVE
+    # the best row keeps the margin free, as the untimed plan's does
+    margin = opts.memory.margin_bytes
+    kept = [
+        r
+        if r.fits and opts.gpu_memory - r.needed_bytes >= margin
+        else dataclasses.replace(r, fits=False)
+        for r in rows
+    ]
+    chosen = best_timed(kept, objective, opts.tokens)
+    best, gpu_h, wall_h = chosen if chosen else (None, None, None)
+    if best is not None:
+        best = rows[next(i for i, r in enumerate(kept) if r is best)]
+    s = timer.setup
+    e = s.efficiency
+    timing = PlanTiming(
+        gpu=s.gpu.name,
+        gpu_source=s.gpu.source,
+        network_bytes_per_s=s.cluster.inter_node_bytes_per_s,
+        efficiency={
+            "matrix": e.matrix,
+            "vector": e.vector,
+            "memory": e.memory,
+            "kernel_floor_s": e.kernel_floor_s,
+        },
+        objective=objective,
+        tokens=opts.tokens,
+        gpu_hours=gpu_h,
+        wall_hours=wall_h,
+        count_runs=timer.runs,
+    )
+    return dataclasses.replace(
+        report, rows=tuple(rows), best=best, timing=timing, notes=(*report.notes, _note(timer))
+    )
+
+
+def _note(timer: CellTimer) -> str:
+    s = timer.setup
+    nodes = s.gpu.gpus_per_node
+    return (
+        f"time per step on {s.gpu.name} ({s.gpu.source}): the roofline over every kernel of "
+        f"the step ({timer.runs} counted fake steps; other micro-batches kernel by kernel on "
+        "the line through two), plus the flat scheme's all-gathers and reduce-scatters that "
+        f"compute does not hide with one unit prefetched; ring over {nodes} GPUs per node, "
+        f"{s.cluster.inter_node_bytes_per_s / 1e9:g} GB/s per GPU between nodes (--network)"
+    )
+
+
+def ranked_rows(rows: Sequence[PlanRow], objective: str) -> list[PlanRow]:
+    """The timed rows that fit, best first under ``objective`` (``best_cell``'s order)."""
+    fitting = [r for r in rows if r.fits and r.time]
+    if not fitting:
+        return []
+    fastest = max(r.time.tokens_per_s for r in fitting)
+    return sorted(fitting, key=objective_key(objective, fastest))

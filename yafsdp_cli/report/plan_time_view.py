@@ -1,0 +1,76 @@
+"""The step-time columns of ``yafsdp plan``: the cells that fit, best first by the
+plan's objective, with step time, tokens/s per GPU, MFU and exposed communication."""
+
+from __future__ import annotations
+
+from ..planning import PlanReport, PlanRow
+from ..planning.cell_time import ranked_rows
+from .formatting import Section, human_bytes
+
+HEADERS = (
+    "world size",
+    "micro-batch",
+    "checkpointing",
+    "peak + reserve",
+    "step",
+    "tokens/s per GPU",
+    "MFU",
+    "exposed comm",
+)
+
+
+def time_section(report: PlanReport) -> Section | None:
+    """None where the plan names no GPU."""
+    t = report.timing
+    if t is None:
+        return None
+    rows = ranked_rows(report.rows, t.objective)
+    return Section(
+        title=f"How fast? The cells that fit on {t.gpu}, best first by {t.objective}",
+        headers=HEADERS,
+        rows=tuple(_cells(r) for r in rows),
+        right=(0, 1, 3, 4, 5, 6, 7),
+        caption="" if rows else "nothing in the grid fits",
+    )
+
+
+def _cells(r: PlanRow) -> tuple[str, ...]:
+    t = r.time
+    return (
+        str(r.world_size),
+        str(r.micro_batch),
+        r.checkpointing,
+        human_bytes(r.needed_bytes),
+        seconds(t.step_s),
+        f"{t.tokens_per_s:,.0f}",
+        f"{t.mfu:.1%}",
+        f"{t.exposed_share:.1%}",
+    )
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def best_line(report: PlanReport) -> str | None:
+    """What the best row's time is and why it is best, in one line."""
+    t, b = report.timing, report.best
+    if t is None or b is None:
+        return None
+    why = {
+        "throughput": "the most tokens/s per GPU that fits, to within 1%, on the fewest GPUs",
+        "gpu-hours": "the fewest GPU-hours that fit, to within 1%, on the most GPUs",
+        "fewest-gpus": "the fewest GPUs that fit, then the most tokens/s per GPU",
+    }[t.objective]
+    line = (
+        f"fastest by {t.objective} on {t.gpu}: world size {b.world_size}, micro-batch "
+        f"{b.micro_batch}, checkpointing {b.checkpointing} ({why}): {seconds(b.time.step_s)} "
+        f"per step, {b.time.tokens_per_s:,.0f} tokens/s per GPU, MFU {b.time.mfu:.1%}, "
+        f"{b.time.exposed_share:.1%} of the step in exposed communication"
+    )
+    if t.gpu_hours is not None:
+        line += (
+            f"; {t.tokens:,} tokens take {t.gpu_hours:,.0f} GPU-hours, "
+            f"{t.wall_hours:,.1f} h on {b.world_size} GPUs"
+        )
+    return line

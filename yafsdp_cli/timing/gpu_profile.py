@@ -1,0 +1,125 @@
+"""A GPU profile file: a GPU's figures and, where measured, its kernels' efficiencies.
+
+The file is the JSON object of ``schemas/gpu.schema.json``: the figures
+``gpu_specs.load_gpu`` reads, plus two optional keys that ``yafsdp calibrate``
+writes, so that ``plan --gpu-profile`` times kernels as the measured GPU runs them:
+
+- ``efficiency``: ``matrix``, ``vector``, ``memory`` (fractions of the peaks, in
+  (0, 1]) and ``kernel_floor_us`` (the least a kernel costs, microseconds): the
+  roofline's ``Efficiency``; absent keys keep its defaults;
+- ``calibration``: what was measured and how (free-form; recorded, never read back
+  into the model).
+
+>>> profile = profile_from_dict({"name": "g", "memory_bytes": 1, "bf16_tflops": 1,
+...     "fp32_tflops": 1, "hbm_gbps": 1, "link_gbps": 1, "gpus_per_node": 1,
+...     "efficiency": {"matrix": 0.7}})
+>>> profile.efficiency.matrix, profile.efficiency.memory
+(0.7, 0.8)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import YafsdpError
+from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict
+from .roofline import Efficiency
+
+EFFICIENCY_KEYS = ("matrix", "vector", "memory", "kernel_floor_us")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    gpu: GpuSpec
+    efficiency: Efficiency
+    calibration: dict = field(default_factory=dict)
+
+
+def load_profile(path: str | Path) -> GpuProfile:
+    """The profile in ``path``; every problem is one line naming the file and the key."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise YafsdpError(f"{path}: cannot read the GPU profile ({exc.strerror})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise YafsdpError(f"{path}: not a JSON GPU profile ({exc})") from exc
+    return profile_from_dict(doc, where=str(path))
+
+
+def profile_from_dict(doc, where: str = "GPU profile") -> GpuProfile:
+    if not isinstance(doc, dict):
+        raise YafsdpError(f"{where}: a GPU profile is a JSON object, got {type(doc).__name__}")
+    gpu = gpu_from_dict(doc, where)
+    calibration = doc.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise YafsdpError(f"{where}: 'calibration' must be an object")
+    return GpuProfile(gpu, _efficiency(doc.get("efficiency", {}), where), calibration)
+
+
+def _efficiency(doc, where: str) -> Efficiency:
+    if not isinstance(doc, dict):
+        raise YafsdpError(f"{where}: 'efficiency' must be an object with {EFFICIENCY_KEYS}")
+    extra = sorted(set(doc) - set(EFFICIENCY_KEYS))
+    if extra:
+        raise YafsdpError(
+            f"{where}: unknown efficiency {extra[0]!r}; keys: {', '.join(EFFICIENCY_KEYS)}"
+        )
+    for key, value in doc.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise YafsdpError(f"{where}: efficiency {key!r} must be a number, got {value!r}")
+    given = {k: v for k, v in doc.items() if k != "kernel_floor_us"}
+    if "kernel_floor_us" in doc:
+        given["kernel_floor_s"] = doc["kernel_floor_us"] * 1e-6
+    try:
+        return Efficiency(**given)
+    except YafsdpError as exc:
+        raise YafsdpError(f"{where}: {exc}") from None
+
+
+def profile_to_dict(profile: GpuProfile) -> dict:
+    """The JSON object of ``profile`` (what ``load_profile`` reads back)."""
+    g, e = profile.gpu, profile.efficiency
+    doc = {
+        "name": g.name,
+        "memory_bytes": g.memory_bytes,
+        "bf16_tflops": g.bf16_flops / TERA,
+        "fp8_tflops": g.fp8_flops / TERA,
+        "fp32_tflops": g.fp32_flops / TERA,
+        "hbm_gbps": g.hbm_bytes_per_s / GIGA,
+        "link_gbps": g.link_bytes_per_s / GIGA,
+        "gpus_per_node": g.gpus_per_node,
+        "source": g.source,
+        "efficiency": {
+            "matrix": e.matrix,
+            "vector": e.vector,
+            "memory": e.memory,
+            "kernel_floor_us": e.kernel_floor_s * 1e6,
+        },
+    }
+    if profile.calibration:
+        doc["calibration"] = profile.calibration
+    return doc
+
+
+def write_profile(path: str | Path, profile: GpuProfile) -> None:
+    """``profile`` to ``path``: a temporary file beside it, renamed into place, so a
+    failure leaves no half-written profile."""
+    path = Path(path)
+    text = json.dumps(profile_to_dict(profile), indent=2, allow_nan=False) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise YafsdpError(f"{path}: cannot write the GPU profile there ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
