@@ -14,8 +14,10 @@ from .flags import (
     CheckpointingOpt,
     ExcludeOpt,
     FilterOpt,
+    FreezeOpt,
     GradDtypeOpt,
     JsonOpt,
+    LoraOpt,
     ModelOpt,
     OptimizerOpt,
     ParamDtypeOpt,
@@ -37,6 +39,8 @@ GIVEN = (
     "align",
     "param_dtype",
     "grad_dtype",
+    "freeze",
+    "lora",
     "optimizer",
     "batch",
     "seq_len",
@@ -90,6 +94,8 @@ def check_command(
     align: AlignOpt = None,
     param_dtype: ParamDtypeOpt = None,
     grad_dtype: GradDtypeOpt = None,
+    freeze: FreezeOpt = None,
+    lora: LoraOpt = None,
     optimizer: OptimizerOpt = None,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
@@ -120,6 +126,8 @@ def check_command(
             return
         values = locals()
         given = {k: values[k] for k in GIVEN if values[k] not in (None, [])}
+        if "freeze" in given:
+            given["freeze"] = tuple(given["freeze"])
         outcome = run_check(
             CheckRequest(
                 baseline=baseline,

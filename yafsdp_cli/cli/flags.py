@@ -148,6 +148,25 @@ GradDtypeOpt = Annotated[
     ),
 ]
 
+FreezeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--freeze",
+        help="Fine-tuning: parameters matching EXPR (repeatable, --filter's language) get "
+        "no gradient and no optimizer state, and keep their stored dtype.",
+        metavar="EXPR",
+    ),
+]
+LoraOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora",
+        help="Fine-tuning: add peft's LoRA adapter (r=16,alpha=32,targets=q_proj,v_proj; "
+        "targets=all-linear too); only the adapter trains. Needs the peft extra.",
+        metavar="r=N,alpha=A,targets=M,M",
+    ),
+]
+
 # the memory configuration
 GpuMemoryOpt = Annotated[
     str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)
@@ -201,7 +220,7 @@ def options_from(cls, values: dict[str, Any], **parsed: Any):
     those ``cls`` takes, Typer's lists as tuples, no --unit as the detected units,
     ``--input-shape`` parsed; ``parsed`` (values the command parsed itself) win."""
     given = {k: values[k] for k in cls.FIELDS if k in values}
-    for key in ("filters", "excludes"):
+    for key in ("filters", "excludes", "freeze"):
         if key in given:
             given[key] = tuple(given[key] or ())
     if "units" in given:

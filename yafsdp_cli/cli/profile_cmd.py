@@ -15,9 +15,11 @@ from .flags import (
     ExcludeOpt,
     FilterOpt,
     FormatOpt,
+    FreezeOpt,
     GradDtypeOpt,
     InputShapeOpt,
     JsonOpt,
+    LoraOpt,
     ModelOpt,
     OptimizerImplOpt,
     OptimizerOpt,
@@ -70,6 +72,8 @@ def profile_command(
     ] = 0,
     param_dtype: ParamDtypeOpt = None,
     grad_dtype: GradDtypeOpt = None,
+    freeze: FreezeOpt = None,
+    lora: LoraOpt = None,
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,

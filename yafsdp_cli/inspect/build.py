@@ -57,6 +57,8 @@ class InspectInputs:
     master_weights: bool | None  # None: auto (on for 16-bit parameters)
     round_bytes: int
     fsdp_placement: str  # "dim0" (fully_shard's default) or "auto" (Shard(1) where better)
+    freeze: tuple[str, ...] = ()  # --freeze: parameters that do not train
+    lora: str | None = None  # --lora as given (the source is adapted before it is inspected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +226,8 @@ def inspect_model(
         master_weights=opts.master_weights,
         round_bytes=cfg.round_bytes,
         fsdp_placement=opts.fsdp_placement,
+        freeze=step.freeze,
+        lora=step.lora,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
     stored = stored_state(loaded, layout, cfg, decided)
@@ -257,13 +261,15 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
 
 
 def retype_params(spec: ModelSpec, param_dtype: str | None) -> ModelSpec:
-    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged);
-    ``param_dtype`` comes from a validated ``StepOptions``."""
+    """Every trainable floating-point parameter in ``param_dtype`` (module buffers
+    and frozen parameters keep their stored dtype, as the step keeps them: see
+    ``profiling.precision.cast_params``); ``param_dtype`` comes from a validated
+    ``StepOptions``."""
     if not param_dtype:
         return spec
     target = dtypes.canonical(param_dtype)
     tensors = tuple(
-        dataclasses.replace(t, dtype=target) if t.is_param and t.floating else t
+        dataclasses.replace(t, dtype=target) if t.is_param and t.floating and t.requires_grad else t
         for t in spec.tensors
     )
     return dataclasses.replace(spec, tensors=tensors)

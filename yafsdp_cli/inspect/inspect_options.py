@@ -22,6 +22,8 @@ class InspectOptions(Composed):
         "align",
         "param_dtype",
         "grad_dtype",
+        "freeze",
+        "lora",
         "optimizer",
         "master_weights",
         "round_bytes",

@@ -21,6 +21,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, needed_bytes
 from ..sources import load_source
+from ..sources.adapted import adapt
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
@@ -45,6 +46,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     start = time.perf_counter()
     if loaded.module is None:
         loaded.build_module()  # raises: measuring activations needs an architecture
+    loaded = adapt(loaded, opts.step)  # --freeze, --lora: the memory model counts them too
     seq_len = opts.seq_len or context_length(loaded.module)
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)

@@ -83,6 +83,8 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
             fake=True,
             param_dtype=opts.param_dtype,
             grad_dtype=opts.grad_dtype,
+            freeze=opts.freeze,
+            lora=opts.lora,
             checkpointing=checkpointing,
             round_bytes=opts.round_bytes,
             target=opts.target,

@@ -40,6 +40,8 @@ class PlanOptions(Composed):
         "reserve",
         "param_dtype",
         "grad_dtype",
+        "freeze",
+        "lora",
         "optimizer",
         "optimizer_impl",
         "filters",

@@ -25,13 +25,15 @@ from ..options import check_training_dtypes  # noqa: F401 - precision's API
 
 
 def cast_params(module: nn.Module, param_dtype: str | None) -> None:
-    """Every floating-point parameter and buffer in ``param_dtype``, as
-    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype)."""
+    """Every trainable floating-point parameter and every floating buffer in
+    ``param_dtype``, as ``module.to(dtype)`` does (BatchNorm needs its statistics in
+    the input's dtype). Frozen parameters (``--freeze``, a LoRA base) keep their stored
+    dtype: fine-tuning loads the base as stored and trains the rest."""
     if not param_dtype:
         return
     target = dtypes.to_torch(dtypes.canonical(param_dtype))
     for p in module.parameters():  # one per tensor: tied owners share the cast
-        if p.is_floating_point() and p.dtype != target:
+        if p.requires_grad and p.is_floating_point() and p.dtype != target:
             p.data = p.data.to(target)
     for mod in module.modules():
         for name, b in mod._buffers.items():

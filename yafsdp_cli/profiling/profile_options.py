@@ -30,6 +30,8 @@ class ProfileOptions(Composed):
         "checkpointing",
         "param_dtype",
         "grad_dtype",
+        "freeze",
+        "lora",
         "round_bytes",
         "alloc_conf",
     )

@@ -33,6 +33,7 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from ..sources.adapted import adapt
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
@@ -65,6 +66,7 @@ def profile_model(
     ``memory.caching_allocator.reserved_of``) under "original" and "converted"."""
     opts = opts or ProfileOptions()
     _check_target(opts)
+    loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
         return _profile(loaded, opts, fake_mode, progress or (lambda *_: None), traces)
@@ -86,6 +88,7 @@ def profile_converted(loaded, opts: ProfileOptions, traces: dict | None = None) 
     """The converted model's step alone (what ``plan`` measures), no original step;
     ``traces`` as in ``profile_model``."""
     _check_target(opts)
+    loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
         with entered(fake_mode):

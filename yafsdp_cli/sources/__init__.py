@@ -15,7 +15,9 @@ with or without weights, ``torch.export`` programs (``*.pt2``), and
 Modules: ``loaded`` (``LoadedModel``), ``load`` (``load_source``), ``files`` (weight
 files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets),
 ``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders). This package may
+``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders),
+``adapted`` (a source as fine-tuning trains it: peft's LoRA added, ``--freeze``
+marked; the ``peft`` extra). This package may
 import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
 checkpoint or the CLI.
 """
