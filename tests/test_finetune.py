@@ -108,16 +108,24 @@ def test_freeze_matching_nothing_lists_what_exists(llama):
         fake(llama, freeze=("name:nope*",))
 
 
-def test_frozen_parameters_keep_their_stored_dtype(llama):
-    """--param-dtype casts what trains; the frozen embedding stays float32 (and gets
-    no master weights)."""
+def test_frozen_parameters_train_in_no_dtype(llama):
+    """--param-dtype casts a frozen layer with the rest (it computes with them) but
+    gives it no float32 master and no states."""
     step = fake(llama, freeze=("embedding",), param_dtype="bf16")
     cast = fake(llama, param_dtype="bf16")
     embed = 96 * 32
-    # frozen: float32 (4 B) instead of bf16 (2 B) per element; no master, no states
-    assert step.original.peak.parameters - cast.original.peak.parameters == 2 * embed
-    # its float32 master and two float32 states, and the master's 0-d step counter
+    assert step.original.peak.parameters == cast.original.peak.parameters
+    # the master (4 B) and two float32 states per element, and the master's 0-d step
     assert cast.original.peak.optimizer - step.original.peak.optimizer == 3 * 4 * embed + 4
+
+
+def test_lora_base_keeps_its_stored_dtype(llama):
+    """Under LoRA the base is loaded as stored (float32 here) whatever --param-dtype
+    says; only the adapter is cast, with float32 masters."""
+    stored = fake(llama, lora=LORA)
+    bf16 = fake(llama, lora=LORA, param_dtype="bf16")
+    adapter = 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4))
+    assert stored.original.peak.parameters - bf16.original.peak.parameters == 2 * adapter
 
 
 # --lora
@@ -234,3 +242,22 @@ def test_check_records_freeze_and_lora(llama, tmp_path):
     bigger = ["--lora", "r=16,targets=q_proj,k_proj,v_proj,o_proj"]
     whole = runner.invoke(app, ["check", str(llama), "-b", str(baseline), *bigger])
     assert whole.exit_code == 1, whole.output  # a bigger adapter needs more: the gate fails
+
+
+def test_plan_counts_gradients_and_states_of_the_adapter_only(llama):
+    def row(*extra):
+        args = ["plan", str(llama), "--gpu-memory", "4GiB", "--world-size", "1"]
+        args += ["--micro-batch", "1,2", "--seq-len", "32", "--checkpointing", "none"]
+        result = runner.invoke(app, [*args, "--jobs", "1", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["rows"][0]["breakdown"]
+
+    full, lora = row(), row("--lora", LORA)
+    trained = ("grads", "optimizer", "master")
+    # 896 adapter elements against 24,832 of the model: a few allocator rounds (512 B)
+    # per flat buffer; AdamW's two float32 states per float32 master
+    assert lora["master"] <= 4096 and lora["grads"] <= 4096, lora
+    assert lora["optimizer"] == 2 * lora["master"], lora
+    assert all(full[k] >= 49_000 for k in trained), full
+    # the base stays float32 as stored; the full model trains (and is held) in bf16
+    assert lora["params"] > 2 * full["params"] - 4096

@@ -34,6 +34,7 @@ from ..memory.estimate import (
     estimate_memory,
 )
 from ..memory.fsdp2 import RankGroup, UnevenSplit
+from ..sources.adapted import keeps_stored_base
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
@@ -199,7 +200,7 @@ def inspect_model(
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
     _check_architecture_filters(loaded, [*lay.filters, *lay.excludes])
-    spec = retype_params(loaded.spec, step.param_dtype)
+    spec = retype_params(loaded.spec, step.param_dtype, keeps_stored_base(loaded))
     optimizer, decided = resolve_optimizer(loaded, step.optimizer)
     cfg = memory_config(step, opts.memory, optimizer=optimizer)
     align_spec = parse_align(lay.align)
@@ -260,16 +261,18 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
             raise FilterError(f"filter {text!r} needs the model's architecture: {hint}")
 
 
-def retype_params(spec: ModelSpec, param_dtype: str | None) -> ModelSpec:
-    """Every trainable floating-point parameter in ``param_dtype`` (module buffers
-    and frozen parameters keep their stored dtype, as the step keeps them: see
+def retype_params(spec: ModelSpec, param_dtype: str | None, keep_frozen: bool = False) -> ModelSpec:
+    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged;
+    ``keep_frozen``: parameters that do not train too, as a LoRA base, see
     ``profiling.precision.cast_params``); ``param_dtype`` comes from a validated
     ``StepOptions``."""
     if not param_dtype:
         return spec
     target = dtypes.canonical(param_dtype)
     tensors = tuple(
-        dataclasses.replace(t, dtype=target) if t.is_param and t.floating and t.requires_grad else t
+        dataclasses.replace(t, dtype=target)
+        if t.is_param and t.floating and (t.requires_grad or not keep_frozen)
+        else t
         for t in spec.tensors
     )
     return dataclasses.replace(spec, tensors=tensors)

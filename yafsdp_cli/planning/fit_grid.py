@@ -21,7 +21,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, needed_bytes
 from ..sources import load_source
-from ..sources.adapted import adapt
+from ..sources.adapted import adapt, keeps_stored_base
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanBreakdown, PlanReport, PlanRow, Smallest
@@ -93,7 +93,7 @@ def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tupl
 
 
 def _memory_model(loaded, opts: PlanOptions):
-    spec = retype_params(loaded.spec, opts.param_dtype)
+    spec = retype_params(loaded.spec, opts.param_dtype, keeps_stored_base(loaded))
     cfg = opts.memory_config()
 
     @cache

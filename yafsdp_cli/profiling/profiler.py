@@ -33,7 +33,7 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
-from ..sources.adapted import adapt
+from ..sources.adapted import adapt, keeps_stored_base
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
@@ -105,7 +105,7 @@ def _prepared(loaded, opts: ProfileOptions, fake_mode):
     (on this one model: it is converted in place, never copied), and how it was
     checkpointed, in words."""
     module = build_module(loaded, opts, fake_mode)
-    cast_params(module, opts.param_dtype)
+    cast_params(module, opts.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
     layout = plan(
         spec_from_module(module),

@@ -85,6 +85,13 @@ def adapt(loaded: LoadedModel, step) -> LoadedModel:
     return adapted(loaded, lora, lora_text, None, freeze)
 
 
+def keeps_stored_base(loaded: LoadedModel) -> bool:
+    """Whether the frozen parameters keep their stored dtype under ``--param-dtype``:
+    under a LoRA adapter they do (the base is loaded as stored and only the adapter
+    trains); a model frozen in part without one trains in one dtype."""
+    return isinstance(loaded, AdaptedModel) and loaded.lora is not None
+
+
 def lora_config(text: str):
     """peft's ``LoraConfig`` for ``--lora TEXT``."""
     from ..engine.finetune import parse_lora
