@@ -261,3 +261,57 @@ def test_plan_counts_gradients_and_states_of_the_adapter_only(llama):
     assert all(full[k] >= 49_000 for k in trained), full
     # the base stays float32 as stored; the full model trains (and is held) in bf16
     assert lora["params"] > 2 * full["params"] - 4096
+
+
+# a PEFT adapter folder as the source
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    """A saved base (random weights) and a LoRA adapter over it, as peft saves one;
+    its lora_B is 0.5 everywhere so a load is told apart from peft's zero init."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path / "base")
+    base = tf.LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter"
+
+
+def test_adapter_folder_builds_with_its_weights(adapter):
+    loaded = load_source(adapter)
+    assert loaded.spec.source_kind == "peft"
+    module = loaded.build_module()
+    trained = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert all(bool((p == 0.5).all()) for n, p in trained.items() if "lora_B" in n)
+
+
+def test_adapter_folder_profiles_as_lora_on_its_base(adapter):
+    real = profile_model(load_source(adapter), ProfileOptions(seq_len=TOKENS))
+    fake_run = fake(adapter)
+    same = fake(adapter.parent / "base", lora=LORA)
+    assert real.original.peak == fake_run.original.peak == same.original.peak
+    assert real.converted_step.peak == fake_run.converted_step.peak
+
+
+def test_adapter_folder_with_lora_is_an_error(adapter):
+    with pytest.raises(YafsdpError, match="a PEFT adapter already; --lora would add a second"):
+        fake(adapter, lora=LORA)
+
+
+def test_adapter_over_a_hub_name_says_to_download(adapter):
+    config = adapter / "adapter_config.json"
+    doc = json.loads(config.read_text())
+    doc["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
+    config.write_text(json.dumps(doc))
+    result = runner.invoke(app, ["profile", str(adapter), "--fake"])
+    assert result.exit_code == 2, result.output
+    assert "'meta-llama/Llama-3.1-8B' is not a local folder" in result.output

@@ -34,7 +34,7 @@ from ..memory.estimate import (
     estimate_memory,
 )
 from ..memory.fsdp2 import RankGroup, UnevenSplit
-from ..sources.adapted import keeps_stored_base
+from ..sources.adapted import adapt, keeps_stored_base
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
@@ -197,6 +197,7 @@ def inspect_model(
     """
     opts = opts if opts is not None else InspectOptions(**flat)
     lay, step = opts.layout, opts.step
+    loaded = adapt(loaded, step)  # --freeze, --lora: what trains
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
     _check_architecture_filters(loaded, [*lay.filters, *lay.excludes])

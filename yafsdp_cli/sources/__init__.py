@@ -17,7 +17,8 @@ files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets
 ``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
 ``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders),
 ``adapted`` (a source as fine-tuning trains it: peft's LoRA added, ``--freeze``
-marked; the ``peft`` extra). This package may
+marked; the ``peft`` extra) and ``peft_folder`` (a PEFT adapter folder over its local
+base). This package may
 import ``engine``, ``errors`` and ``fileio``; it never imports verify, profiling,
 checkpoint or the CLI.
 """
