@@ -128,6 +128,7 @@ def test_json_contract_on_tied_gpt():
         "fsdp_placement": "dim0",
         "freeze": [],
         "lora": None,
+        "quantize": None,
     }
 
 

@@ -166,6 +166,16 @@ LoraOpt = Annotated[
         metavar="r=N,alpha=A,targets=M,M",
     ),
 ]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        help="Fine-tuning: the frozen linear layers (a LoRA base) quantized as bitsandbytes "
+        "packs them: nf4 | nf4-dq | fp4 | fp4-dq | int8 (-dq: nested quantization). "
+        "Estimated in fake steps: its kernels are stood in for.",
+        metavar="KIND",
+    ),
+]
 
 # the memory configuration
 GpuMemoryOpt = Annotated[

@@ -24,6 +24,7 @@ from .flags import (
     OptimizerImplOpt,
     OptimizerOpt,
     ParamDtypeOpt,
+    QuantizeOpt,
     SeedOpt,
     SeqLenOpt,
     SourceArg,
@@ -74,6 +75,7 @@ def profile_command(
     grad_dtype: GradDtypeOpt = None,
     freeze: FreezeOpt = None,
     lora: LoraOpt = None,
+    quantize: QuantizeOpt = None,
     per_module: Annotated[
         bool, typer.Option("--per-module", help="Add peaks per module (see --depth).")
     ] = False,

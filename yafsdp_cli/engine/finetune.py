@@ -1,4 +1,4 @@
-"""What a fine-tuning step trains: ``--freeze``, ``--lora`` and ``--quantize``, parsed.
+"""What a fine-tuning step trains: ``--lora``'s text, parsed.
 
 ``--lora r=16,alpha=32,targets=q_proj,v_proj`` is one string on the command line and
 in every saved document (a baseline records it as given); ``parse_lora`` turns it
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ..errors import YafsdpError
 
-QUANTIZE = ("nf4", "fp4", "int8")  # bitsandbytes' 4-bit kinds and LLM.int8()
 _LORA_SYNTAX = "write it like r=16,alpha=32,targets=q_proj,v_proj"
 
 
@@ -66,8 +65,3 @@ def _number(text: str, key: str, value: str, kind):
         return kind(value)
     except ValueError:
         raise YafsdpError(f"--lora {text!r}: {key}={value!r} is not a number") from None
-
-
-def check_quantize(kind: str | None) -> None:
-    if kind is not None and kind not in QUANTIZE:
-        raise YafsdpError(f"--quantize {kind!r}: choose one of {', '.join(QUANTIZE)}")

@@ -76,6 +76,7 @@ INPUT_KEYS = {
     "fsdp_placement": "fsdp_placement",
     "freeze": "freeze",
     "lora": "lora",
+    "quantize": "quantize",
 }
 
 

@@ -60,6 +60,7 @@ class InspectInputs:
     fsdp_placement: str  # "dim0" (fully_shard's default) or "auto" (Shard(1) where better)
     freeze: tuple[str, ...] = ()  # --freeze: parameters that do not train
     lora: str | None = None  # --lora as given (the source is adapted before it is inspected)
+    quantize: str | None = None  # --quantize: the frozen linear layers' packed format
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,7 @@ def inspect_model(
         fsdp_placement=opts.fsdp_placement,
         freeze=step.freeze,
         lora=step.lora,
+        quantize=step.quantize,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
     stored = stored_state(loaded, layout, cfg, decided)

@@ -24,6 +24,7 @@ class InspectOptions(Composed):
         "grad_dtype",
         "freeze",
         "lora",
+        "quantize",
         "optimizer",
         "master_weights",
         "round_bytes",

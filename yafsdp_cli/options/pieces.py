@@ -8,6 +8,7 @@ from ..engine import dtypes
 from ..engine.choices import check_checkpointing, check_device, check_optimizer, check_placement
 from ..engine.filters import parse_filter
 from ..engine.finetune import parse_lora
+from ..engine.packed import check_quantize
 from ..errors import YafsdpError
 from .alloc_conf import parse_alloc_conf
 
@@ -71,6 +72,7 @@ class StepOptions:
     # fine-tuning (see options/finetune.py): what does not train, and the LoRA adapter
     freeze: tuple[str, ...] = ()  # --freeze filter expressions: no gradient, no state
     lora: str | None = None  # --lora r=16,alpha=32,targets=q_proj,v_proj; None: none
+    quantize: str | None = None  # --quantize nf4|nf4-dq|fp4|fp4-dq|int8: the frozen linears
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", _tuple(self.input_shape))
@@ -79,6 +81,7 @@ class StepOptions:
             parse_filter(expr)  # a malformed expression fails before anything loads
         if self.lora is not None:
             parse_lora(self.lora)
+        check_quantize(self.quantize)
         check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
         check_at_least("batch", self.batch)
         check_at_least("seq-len", self.seq_len)

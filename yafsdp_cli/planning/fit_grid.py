@@ -62,7 +62,8 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     if opts.world_sizes is None:
         rows = _up_to_enough(rows)
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start)
-    return dataclasses.replace(report, notes=(*dropped, *report.notes))
+    tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
+    return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))
 
 
 def context_length(module) -> int:

@@ -85,6 +85,7 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
             grad_dtype=opts.grad_dtype,
             freeze=opts.freeze,
             lora=opts.lora,
+            quantize=opts.quantize,
             checkpointing=checkpointing,
             round_bytes=opts.round_bytes,
             target=opts.target,

@@ -42,6 +42,7 @@ class PlanOptions(Composed):
         "grad_dtype",
         "freeze",
         "lora",
+        "quantize",
         "optimizer",
         "optimizer_impl",
         "filters",

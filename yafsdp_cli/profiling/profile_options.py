@@ -32,6 +32,7 @@ class ProfileOptions(Composed):
         "grad_dtype",
         "freeze",
         "lora",
+        "quantize",
         "round_bytes",
         "alloc_conf",
     )

@@ -173,7 +173,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         original=original,
         converted_step=converted,
         kernels=kernels,
-        notes=_notes(opts, ckpt_note, kernels, holding),
+        notes=(*_notes(opts, ckpt_note, kernels, holding), *getattr(loaded, "tuning_notes", ())),
         outside=holding.outside if holding else None,
     )
 

@@ -71,9 +71,7 @@ def _weights(path: Path):
 
 
 def _described(model: AdaptedModel, path: Path, base: Path, config) -> AdaptedModel:
-    targets = config.target_modules
-    targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
-    note = f"PEFT adapter: LoRA r={config.r}, alpha={config.lora_alpha} on {targets}, over {base}"
+    note = f"a PEFT adapter folder over the base {base}"
     notes = (*model.spec.notes, note)
     model.spec = replace(model.spec, source=str(path), source_kind="peft", notes=notes)
     model.path = path
