@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,7 +216,10 @@ def inject_lora(module, lora, state):
     import torch
 
     peft = import_peft()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft asks transformers a deprecated question (is_gradient_checkpointing):
+        # the user's output should carry the figures, not that
+        warnings.simplefilter("ignore", FutureWarning)
         torch.manual_seed(ADAPTER_SEED)
         try:
             wrapped = peft.get_peft_model(module, copy.deepcopy(lora))

@@ -51,7 +51,7 @@ def _base_folder(path: Path, ref) -> Path:
         raise SourceError(
             f"{path}/{CONFIG} names no base model; set base_model_name_or_path to its folder"
         )
-    for candidate in (Path(ref), path / ref, Path.cwd() / ref):
+    for candidate in (path / ref, Path(ref)):  # an absolute ref is itself either way
         if candidate.exists():
             return candidate
     raise SourceError(
