@@ -153,7 +153,7 @@ FreezeOpt = Annotated[
     typer.Option(
         "--freeze",
         help="Fine-tuning: parameters matching EXPR (repeatable, --filter's language) get "
-        "no gradient and no optimizer state, and keep their stored dtype.",
+        "no gradient, no optimizer state and no master weights.",
         metavar="EXPR",
     ),
 ]
@@ -162,7 +162,8 @@ LoraOpt = Annotated[
     typer.Option(
         "--lora",
         help="Fine-tuning: add peft's LoRA adapter (r=16,alpha=32,targets=q_proj,v_proj; "
-        "targets=all-linear too); only the adapter trains. Needs the peft extra.",
+        "targets=all-linear too); only the adapter trains, the base keeps its stored "
+        "dtype. Needs the peft extra.",
         metavar="r=N,alpha=A,targets=M,M",
     ),
 ]
