@@ -11,6 +11,7 @@ not download. The result is the base adapted by ``adapted.adapted`` with peft's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def is_adapter_folder(path: Path) -> bool:
     return (path / CONFIG).is_file()
 
 
-def load_adapter_folder(path: Path, *, trust_pickle: bool = False) -> LoadedModel:
+def load_adapter_folder(path: Path, load_base: Callable[[Path], LoadedModel]) -> LoadedModel:
+    """The adapter at ``path`` over its base, which ``load_base`` loads (``load_source``'s
+    own path loader: the base is any source kind)."""
     raw = read_json(path / CONFIG)
     if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
         kind = raw.get("peft_type") if isinstance(raw, dict) else None
@@ -36,9 +39,7 @@ def load_adapter_folder(path: Path, *, trust_pickle: bool = False) -> LoadedMode
     weights = next((path / w for w in WEIGHTS if (path / w).is_file()), None)
     if weights is None:
         raise SourceError(f"{path}: an adapter config without weights ({' or '.join(WEIGHTS)})")
-    from .load import load_source
-
-    base = load_source(base_path, trust_pickle=trust_pickle)
+    base = load_base(base_path)
     peft = import_peft()
     config = peft.LoraConfig.from_pretrained(str(path))
     config.inference_mode = False  # the adapter trains
