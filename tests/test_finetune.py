@@ -244,15 +244,22 @@ def test_check_records_freeze_and_lora(llama, tmp_path):
     assert whole.exit_code == 1, whole.output  # a bigger adapter needs more: the gate fails
 
 
-def test_plan_counts_gradients_and_states_of_the_adapter_only(llama):
+def test_plan_counts_gradients_and_states_of_the_adapter_only(llama, tmp_path):
+    saved = {}
+
     def row(*extra):
         args = ["plan", str(llama), "--gpu-memory", "4GiB", "--world-size", "1"]
         args += ["--micro-batch", "1,2", "--seq-len", "32", "--checkpointing", "none"]
         result = runner.invoke(app, [*args, "--jobs", "1", "--json", *extra])
         assert result.exit_code == 0, result.output
+        saved["plan"] = result.stdout
         return json.loads(result.stdout)["rows"][0]["breakdown"]
 
     full, lora = row(), row("--lora", LORA)
+    plan_doc = tmp_path / "plan.json"
+    plan_doc.write_text(saved["plan"])
+    again = runner.invoke(app, ["check", "--baseline", str(plan_doc)])  # plans again, with --lora
+    assert again.exit_code == 0 and "still fits (2 checked)" in again.output, again.output
     trained = ("grads", "optimizer", "master")
     # 896 adapter elements against 24,832 of the model: a few allocator rounds (512 B)
     # per flat buffer; AdamW's two float32 states per float32 master
