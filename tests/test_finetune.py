@@ -142,9 +142,14 @@ def test_lora_trains_only_the_adapter(llama):
     assert lora.converted_step.peak.total < whole.converted_step.peak.total
 
 
-def test_lora_fake_equals_real(llama):
-    real = profile_model(load_source(llama), ProfileOptions(seq_len=TOKENS, lora=LORA))
-    fake_run = fake(llama, lora=LORA)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_lora_fake_equals_real(llama, world_size):
+    """At 2 ranks the frozen base and the adapter have flat buffers of their own in
+    each unit; rank 0's step gathers both and reduces the adapter's gradients only."""
+    opts = ProfileOptions(seq_len=TOKENS, lora=LORA, world_size=world_size)
+    real = profile_model(load_source(llama), opts)
+    fake_run = fake(llama, lora=LORA, world_size=world_size)
+    assert real.flat_buffers == 5  # the root (frozen) and, per layer, frozen and adapter
     for a, b in (
         (real.original, fake_run.original),
         (real.converted_step, fake_run.converted_step),
