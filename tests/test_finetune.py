@@ -327,3 +327,19 @@ def test_adapter_over_a_hub_name_says_to_download(adapter):
     result = runner.invoke(app, ["profile", str(adapter), "--fake"])
     assert result.exit_code == 2, result.output
     assert "'meta-llama/Llama-3.1-8B' is not a local folder" in result.output
+
+
+def test_freeze_works_from_a_header_and_lora_needs_an_architecture(samples_dir):
+    """``--freeze`` selects by name on a safetensors header alone; LoRA needs modules."""
+    weights = str(samples_dir / "llama.safetensors")
+    result = runner.invoke(app, ["inspect", weights, "--freeze", "name:*embed*", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["inputs"]["freeze"] == ["name:*embed*"] and doc["params"]["frozen_numel"] > 0
+    plain = json.loads(runner.invoke(app, ["inspect", weights, "--json"]).stdout)
+    ddp = {s["scheme"]: s for s in doc["memory"]["schemes"]}["ddp"]
+    ddp_plain = {s["scheme"]: s for s in plain["memory"]["schemes"]}["ddp"]
+    assert ddp["optimizer"] < ddp_plain["optimizer"] and ddp["params"] == ddp_plain["params"]
+    lora = runner.invoke(app, ["inspect", weights, "--lora", LORA])
+    assert lora.exit_code == 2, lora.output
+    assert "LoRA and --quantize need the model's architecture" in lora.output
