@@ -17,7 +17,7 @@ DEMO := demo-out
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -e '.[dev,hf]'
+	$(BIN)/pip install -e '.[dev,hf,peft]'
 	touch $@
 
 install: $(STAMP)

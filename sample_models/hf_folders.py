@@ -6,7 +6,10 @@ python -m sample_models.hf_folders [DIR]     # default: the current folder
 - ``tiny-gpt2/``: a 2-layer ``GPT2LMHeadModel`` (tied ``lm_head``, dropout 0.1);
 - ``Llama-2-70b-hf/``: the ``config.json`` of Llama-2-70B alone (its published
   hyperparameters), which ``inspect``, ``profile --fake`` and ``plan`` read without
-  weights: the architecture is built on the meta device.
+  weights: the architecture is built on the meta device;
+- ``tiny-llama-lora/``: where peft is installed, a LoRA adapter (r=8 on q_proj and
+  v_proj) over ``tiny-llama/``, as ``PeftModel.save_pretrained`` writes it, its base
+  named by a path relative to the adapter folder.
 """
 
 from __future__ import annotations
@@ -57,7 +60,30 @@ def write(out: Path) -> list[Path]:
         written.append(out / name)
     llama_2_70b_config().save_pretrained(out / "Llama-2-70b-hf")
     written.append(out / "Llama-2-70b-hf")
-    return written
+    adapter = write_adapter(out / "tiny-llama-lora", out / "tiny-llama")
+    return written + ([adapter] if adapter else [])
+
+
+def write_adapter(out: Path, base: Path) -> Path | None:
+    """A LoRA adapter over ``base`` (None where peft is not installed)."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    try:
+        import peft
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    peft.get_peft_model(model, config).save_pretrained(out)
+    settings = out / "adapter_config.json"
+    doc = json.loads(settings.read_text())
+    doc["base_model_name_or_path"] = "../tiny-llama"  # relative: the folders move together
+    settings.write_text(json.dumps(doc, indent=2))
+    return out
 
 
 if __name__ == "__main__":

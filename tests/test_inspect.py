@@ -126,6 +126,9 @@ def test_json_contract_on_tied_gpt():
         "master_weights": None,
         "round_bytes": 512,
         "fsdp_placement": "dim0",
+        "freeze": [],
+        "lora": None,
+        "quantize": None,
     }
 
 

@@ -14,11 +14,14 @@ from .flags import (
     CheckpointingOpt,
     ExcludeOpt,
     FilterOpt,
+    FreezeOpt,
     GradDtypeOpt,
     JsonOpt,
+    LoraOpt,
     ModelOpt,
     OptimizerOpt,
     ParamDtypeOpt,
+    QuantizeOpt,
     SeqLenOpt,
     TrustPickleOpt,
     UnitOpt,
@@ -37,6 +40,9 @@ GIVEN = (
     "align",
     "param_dtype",
     "grad_dtype",
+    "freeze",
+    "lora",
+    "quantize",
     "optimizer",
     "batch",
     "seq_len",
@@ -90,6 +96,9 @@ def check_command(
     align: AlignOpt = None,
     param_dtype: ParamDtypeOpt = None,
     grad_dtype: GradDtypeOpt = None,
+    freeze: FreezeOpt = None,
+    lora: LoraOpt = None,
+    quantize: QuantizeOpt = None,
     optimizer: OptimizerOpt = None,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
@@ -120,6 +129,8 @@ def check_command(
             return
         values = locals()
         given = {k: values[k] for k in GIVEN if values[k] not in (None, [])}
+        if "freeze" in given:
+            given["freeze"] = tuple(given["freeze"])
         outcome = run_check(
             CheckRequest(
                 baseline=baseline,

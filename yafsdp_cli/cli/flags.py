@@ -158,6 +158,35 @@ GpuOpt = Annotated[
         metavar="NAME",
     ),
 ]
+FreezeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--freeze",
+        help="Fine-tuning: parameters matching EXPR (repeatable, --filter's language) get "
+        "no gradient, no optimizer state and no master weights.",
+        metavar="EXPR",
+    ),
+]
+LoraOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora",
+        help="Fine-tuning: add peft's LoRA adapter (r=16,alpha=32,targets=q_proj,v_proj; "
+        "targets=all-linear too); only the adapter trains, the base keeps its stored "
+        "dtype. Needs the peft extra.",
+        metavar="r=N,alpha=A,targets=M,M",
+    ),
+]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        help="Fine-tuning: the frozen linear layers (a LoRA base) quantized as bitsandbytes "
+        "packs them: nf4 | nf4-dq | fp4 | fp4-dq | int8 (-dq: nested quantization). "
+        "Estimated in fake steps: its kernels are stood in for.",
+        metavar="KIND",
+    ),
+]
 
 # the memory configuration
 GpuMemoryOpt = Annotated[
@@ -244,7 +273,7 @@ def options_from(cls, values: dict[str, Any], **parsed: Any):
     those ``cls`` takes, Typer's lists as tuples, no --unit as the detected units,
     ``--input-shape`` parsed; ``parsed`` (values the command parsed itself) win."""
     given = {k: values[k] for k in cls.FIELDS if k in values}
-    for key in ("filters", "excludes"):
+    for key in ("filters", "excludes", "freeze"):
         if key in given:
             given[key] = tuple(given[key] or ())
     if "units" in given:

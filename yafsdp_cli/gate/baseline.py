@@ -74,6 +74,9 @@ INPUT_KEYS = {
     "master_weights": "master_weights",
     "round_bytes": "round_bytes",
     "fsdp_placement": "fsdp_placement",
+    "freeze": "freeze",
+    "lora": "lora",
+    "quantize": "quantize",
 }
 
 

@@ -21,6 +21,7 @@ from ..errors import YafsdpError
 from ..inspect.build import InspectReport, inspect_model
 from ..options import StepOptions
 from ..sources import load_source
+from ..sources.adapted import adapt
 from .baseline import (
     Baseline,
     MemoryFigures,
@@ -77,7 +78,7 @@ def run_check(req: CheckRequest) -> CheckOutcome:
     options = recorded_options(old.inputs if old else {}, req.given)
     source = req.source or (old.source.path if old else None)
     model = req.model or (old.source.model if old else None)
-    loaded = load_source(source, model=model, trust_pickle=req.trust_pickle)
+    loaded = adapt(load_source(source, model=model, trust_pickle=req.trust_pickle), options.step)
     report = inspect_model(loaded, options, model=model)
     step, skipped = _step(req, old, loaded, report, options)
     current = Baseline(

@@ -34,6 +34,7 @@ from ..memory.estimate import (
     estimate_memory,
 )
 from ..memory.fsdp2 import RankGroup, UnevenSplit
+from ..sources.adapted import adapt, keeps_stored_base
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
@@ -57,6 +58,9 @@ class InspectInputs:
     master_weights: bool | None  # None: auto (on for 16-bit parameters)
     round_bytes: int
     fsdp_placement: str  # "dim0" (fully_shard's default) or "auto" (Shard(1) where better)
+    freeze: tuple[str, ...] = ()  # --freeze: parameters that do not train
+    lora: str | None = None  # --lora as given (the source is adapted before it is inspected)
+    quantize: str | None = None  # --quantize: the frozen linear layers' packed format
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +198,11 @@ def inspect_model(
     """
     opts = opts if opts is not None else InspectOptions(**flat)
     lay, step = opts.layout, opts.step
+    loaded = adapt(loaded, step)  # --freeze, --lora: what trains
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
     _check_architecture_filters(loaded, [*lay.filters, *lay.excludes])
-    spec = retype_params(loaded.spec, step.param_dtype)
+    spec = retype_params(loaded.spec, step.param_dtype, keeps_stored_base(loaded))
     optimizer, decided = resolve_optimizer(loaded, step.optimizer)
     cfg = memory_config(step, opts.memory, optimizer=optimizer)
     align_spec = parse_align(lay.align)
@@ -224,6 +229,9 @@ def inspect_model(
         master_weights=opts.master_weights,
         round_bytes=cfg.round_bytes,
         fsdp_placement=opts.fsdp_placement,
+        freeze=step.freeze,
+        lora=step.lora,
+        quantize=step.quantize,
     )
     buffers = tuple(_buffer_info(b) for b in layout.buffers)
     stored = stored_state(loaded, layout, cfg, decided)
@@ -256,14 +264,18 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
             raise FilterError(f"filter {text!r} needs the model's architecture: {hint}")
 
 
-def retype_params(spec: ModelSpec, param_dtype: str | None) -> ModelSpec:
-    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged);
-    ``param_dtype`` comes from a validated ``StepOptions``."""
+def retype_params(spec: ModelSpec, param_dtype: str | None, keep_frozen: bool = False) -> ModelSpec:
+    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged;
+    ``keep_frozen``: parameters that do not train too, as a LoRA base, see
+    ``profiling.precision.cast_params``); ``param_dtype`` comes from a validated
+    ``StepOptions``."""
     if not param_dtype:
         return spec
     target = dtypes.canonical(param_dtype)
     tensors = tuple(
-        dataclasses.replace(t, dtype=target) if t.is_param and t.floating else t
+        dataclasses.replace(t, dtype=target)
+        if t.is_param and t.floating and (t.requires_grad or not keep_frozen)
+        else t
         for t in spec.tensors
     )
     return dataclasses.replace(spec, tensors=tensors)

@@ -7,7 +7,8 @@ dtypes in ``__post_init__``:
   (filters, excludes, units, world size, alignment);
 - ``StepOptions``: the training step (optimizer and its implementation, batch,
   sequence length, input shape, seed, device, kernels' target, activation
-  checkpointing, parameter and gradient dtypes);
+  checkpointing, parameter and gradient dtypes, and what trains: ``--freeze``,
+  ``--lora``, ``--quantize``);
 - ``MemoryOptions``: the memory configuration (GPU memory, the memory
   beside the allocator and the margin, allocator rounding and settings, master
   weights, FSDP2 placement): where a new memory-model input goes.

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.choices import check_checkpointing, check_device, check_optimizer, check_placement
+from ..engine.filters import parse_filter
+from ..engine.finetune import parse_lora
+from ..engine.packed import check_quantize
 from ..errors import YafsdpError
 from .alloc_conf import parse_alloc_conf
 
@@ -70,9 +73,19 @@ class StepOptions:
     checkpointing: str = "none"  # none | reentrant | non-reentrant, per unit
     param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
     grad_dtype: str | None = None  # None: the parameter's dtype
+    # fine-tuning (see options/finetune.py): what does not train, and the LoRA adapter
+    freeze: tuple[str, ...] = ()  # --freeze filter expressions: no gradient, no state
+    lora: str | None = None  # --lora r=16,alpha=32,targets=q_proj,v_proj; None: none
+    quantize: str | None = None  # --quantize nf4|nf4-dq|fp4|fp4-dq|int8: the frozen linears
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", _tuple(self.input_shape))
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        for expr in self.freeze:
+            parse_filter(expr)  # a malformed expression fails before anything loads
+        if self.lora is not None:
+            parse_lora(self.lora)
+        check_quantize(self.quantize)
         check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
         check_at_least("batch", self.batch)
         check_at_least("seq-len", self.seq_len)

@@ -21,6 +21,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits
 from ..sources import load_source
+from ..sources.adapted import adapt, keeps_stored_base
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
@@ -48,6 +49,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     start = time.perf_counter()
     if loaded.module is None:
         loaded.build_module()  # raises: measuring activations needs an architecture
+    loaded = adapt(loaded, opts.step)  # --freeze, --lora: the memory model counts them too
     seq_len = opts.seq_len or context_length(loaded.module)
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)
@@ -80,7 +82,8 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     if opts.schemes != ("flat",):
         schemes = compare_schemes(loaded, opts, runner, lines, _line_for)
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
-    return dataclasses.replace(report, notes=(*dropped, *report.notes))
+    tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
+    return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))
 
 
 def context_length(module) -> int:
@@ -111,7 +114,7 @@ def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tupl
 
 
 def _memory_model(loaded, opts: PlanOptions):
-    spec = retype_params(loaded.spec, opts.param_dtype)
+    spec = retype_params(loaded.spec, opts.param_dtype, keeps_stored_base(loaded))
     cfg = opts.memory_config()
 
     @cache

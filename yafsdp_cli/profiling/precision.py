@@ -24,14 +24,17 @@ from ..engine import dtypes
 from ..options import check_training_dtypes  # noqa: F401 - precision's API
 
 
-def cast_params(module: nn.Module, param_dtype: str | None) -> None:
+def cast_params(module: nn.Module, param_dtype: str | None, keep_frozen: bool = False) -> None:
     """Every floating-point parameter and buffer in ``param_dtype``, as
-    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype)."""
+    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype).
+    ``keep_frozen``: parameters that do not train keep their stored dtype, as a LoRA
+    base does (peft's layers cast what they are given to the adapter's dtype; a
+    frozen layer without one would meet the other dtype and fail)."""
     if not param_dtype:
         return
     target = dtypes.to_torch(dtypes.canonical(param_dtype))
     for p in module.parameters():  # one per tensor: tied owners share the cast
-        if p.is_floating_point() and p.dtype != target:
+        if (p.requires_grad or not keep_frozen) and p.is_floating_point() and p.dtype != target:
             p.data = p.data.to(target)
     for mod in module.modules():
         for name, b in mod._buffers.items():

@@ -30,6 +30,9 @@ class ProfileOptions(Composed):
         "checkpointing",
         "param_dtype",
         "grad_dtype",
+        "freeze",
+        "lora",
+        "quantize",
         "round_bytes",
         "alloc_conf",
     )

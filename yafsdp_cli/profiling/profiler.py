@@ -33,6 +33,7 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from ..sources.adapted import adapt, keeps_stored_base
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
@@ -65,6 +66,7 @@ def profile_model(
     ``memory.caching_allocator.reserved_of``) under "original" and "converted"."""
     opts = opts or ProfileOptions()
     _check_target(opts)
+    loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
         return _profile(loaded, opts, fake_mode, progress or (lambda *_: None), traces)
@@ -86,6 +88,7 @@ def profile_converted(loaded, opts: ProfileOptions, traces: dict | None = None) 
     """The converted model's step alone (what ``plan`` measures), no original step;
     ``traces`` as in ``profile_model``."""
     _check_target(opts)
+    loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
         with entered(fake_mode):
@@ -102,7 +105,7 @@ def _prepared(loaded, opts: ProfileOptions, fake_mode):
     (on this one model: it is converted in place, never copied), and how it was
     checkpointed, in words."""
     module = build_module(loaded, opts, fake_mode)
-    cast_params(module, opts.param_dtype)
+    cast_params(module, opts.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
     layout = plan(
         spec_from_module(module),
@@ -170,7 +173,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         original=original,
         converted_step=converted,
         kernels=kernels,
-        notes=_notes(opts, ckpt_note, kernels, holding),
+        notes=(*_notes(opts, ckpt_note, kernels, holding), *getattr(loaded, "tuning_notes", ())),
         outside=holding.outside if holding else None,
     )
 

@@ -17,8 +17,10 @@ files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets
 ``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
 ``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders),
 ``train_state`` (a training checkpoint's optimizer state and other entries, DCP and
-``torch.save``). This package may import ``engine``, ``errors`` and ``fileio``; it
-never imports verify, profiling, checkpoint or the CLI.
+``torch.save``), ``adapted`` (a source as fine-tuning trains it: peft's LoRA added,
+``--freeze`` marked; the ``peft`` extra) and ``peft_folder`` (a PEFT adapter folder
+over its local base). This package may import ``engine``, ``errors`` and ``fileio``;
+it never imports verify, profiling, checkpoint or the CLI.
 """
 
 from __future__ import annotations

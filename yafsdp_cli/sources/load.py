@@ -37,6 +37,10 @@ def _load_path(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def _load_folder(path: Path, trust_pickle: bool) -> LoadedModel:
+    from .peft_folder import is_adapter_folder, load_adapter_folder
+
+    if is_adapter_folder(path):
+        return load_adapter_folder(path, lambda base: _load_path(base, trust_pickle))
     if (path / "config.json").is_file():
         from .hf import load_hf_folder
 

@@ -1,0 +1,86 @@
+"""A stand-in for bitsandbytes' quantized linear layers in a fake step.
+
+bitsandbytes' kernels need a GPU (and are not installed on every machine), and no
+fake kernels exist for them, so ``--quantize`` puts this layer where
+``Linear4bit``/``Linear8bitLt`` would be. It holds exactly the packed tensors of the
+documented format (``packed.packed_parts``): the weight as a frozen uint8/int8
+parameter under the weight's own name, the tensors beside it as buffers. Its
+forward does what bitsandbytes' ``MatMul4Bit`` does with memory: the weight is
+dequantized to its compute dtype, used by ``linear`` and dropped; nothing but the
+packed weight is saved for backward, which dequantizes it again to take the input's
+gradient. The values are not computed (the dequantized weight is ``new_empty``), so
+the layer is for fake steps only: the bytes are the format's, the kernels'
+workspaces (LLM.int8()'s int8 copy of the input and int32 product) are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import dtypes
+from .packed import packed_parts
+
+
+class _Dequantized(torch.autograd.Function):
+    """``linear(x, dequantize(packed), bias)``; backward dequantizes again."""
+
+    @staticmethod
+    def forward(ctx, x, packed, shape, dtype, bias):
+        weight = packed.new_empty(shape, dtype=dtype).to(x.dtype)  # (out, in), transient
+        ctx.shape, ctx.dtype = shape, dtype
+        ctx.save_for_backward(packed)  # held by the layer anyway: no bytes of its own
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        weight = packed.new_empty(ctx.shape, dtype=ctx.dtype).to(grad.dtype)
+        return grad @ weight, None, None, None, None  # (..., out) @ (out, in)
+
+
+class PackedLinear(nn.Module):
+    """A frozen ``nn.Linear`` of ``kind`` (``packed.KINDS``), packed; see the module
+    docstring. ``dtype`` is the compute dtype the weight is dequantized to."""
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.shape = (linear.out_features, linear.in_features)
+        self.dtype = linear.weight.dtype
+        device = linear.weight.device
+        parts = packed_parts(kind, self.shape)
+        weight = parts[0]
+        self.weight = nn.Parameter(
+            torch.empty(weight.shape, dtype=dtypes.to_torch(weight.dtype), device=device),
+            requires_grad=False,
+        )
+        for part in parts[1:]:
+            t = torch.empty(part.shape, dtype=dtypes.to_torch(part.dtype), device=device)
+            self.register_buffer("weight" + part.suffix, t)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Dequantized.apply(x, self.weight, self.shape, self.dtype, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+def quantize_frozen_linears(module: nn.Module, kind: str, skip: set[int]) -> list[str]:
+    """Every ``nn.Linear`` of ``module`` whose parameters are all frozen, except the
+    modules in ``skip`` (by id: the output head, which bitsandbytes' integration keeps),
+    replaced by a ``PackedLinear``; the names replaced."""
+    replaced = []
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or id(child) in skip:
+                continue
+            if any(p.requires_grad for p in child.parameters()):
+                continue
+            setattr(parent, child_name, PackedLinear(child, kind))
+            replaced.append(f"{name}.{child_name}" if name else child_name)
+    return replaced
