@@ -150,10 +150,20 @@ GradDtypeOpt = Annotated[
 
 # the memory configuration
 GpuMemoryOpt = Annotated[
-    str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)
+    str,
+    typer.Option(
+        "--gpu-memory",
+        help="Memory per GPU with its unit, e.g. 80GiB or 81559MiB (GB: powers of 1000).",
+        show_default=False,
+    ),
 ]
 ReserveOpt = Annotated[
-    str, typer.Option("--reserve", help="Held outside PyTorch per GPU: CUDA context + NCCL.")
+    str | None,
+    typer.Option(
+        "--reserve",
+        help="Held outside PyTorch per GPU, CUDA context + NCCL (default: 2GiB).",
+        show_default=False,
+    ),
 ]
 RoundBytesOpt = Annotated[
     int,

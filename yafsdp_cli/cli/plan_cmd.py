@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
+from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once, stderr
 from .flags import (
     AlignOpt,
     ExcludeOpt,
@@ -68,7 +68,7 @@ def plan_command(
         ),
     ] = None,
     seq_len: SeqLenOpt = None,
-    reserve: ReserveOpt = "2GiB",
+    reserve: ReserveOpt = None,
     param_dtype: ParamDtypeOpt = "bf16",
     grad_dtype: GradDtypeOpt = None,
     optimizer: OptimizerOpt = "adamw",
@@ -93,20 +93,34 @@ def plan_command(
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
         from ..errors import YafsdpError
-        from ..planning import PlanOptions, parse_ints, parse_size, plan_source
+        from ..options import check_reserve, si_echo
+        from ..planning import (
+            DEFAULT_RESERVE,
+            PlanOptions,
+            gpu_memory_notes,
+            parse_ints,
+            parse_size,
+            plan_source,
+        )
         from ..report import plan_view as view
 
         if not gpu_memory:
             raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB")
+        gpu_bytes = parse_size(gpu_memory, "--gpu-memory")
+        reserve_bytes = DEFAULT_RESERVE if reserve is None else parse_size(reserve, "--reserve")
+        check_reserve(gpu_bytes, reserve_bytes, reserve_typed=reserve is not None)
         opts = options_from(
             PlanOptions,
             locals(),
-            gpu_memory=parse_size(gpu_memory, "--gpu-memory"),
+            gpu_memory=gpu_bytes,
             world_sizes=parse_ints(world_size, "--world-size"),
             micro_batches=parse_ints(micro_batch, "--micro-batch"),
             checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
-            reserve=parse_size(reserve, "--reserve"),
+            reserve=reserve_bytes,
         )
+        reserve_echo = si_echo(reserve, "--reserve") if reserve is not None else None
+        for note in (*gpu_memory_notes(gpu_memory), *filter(None, [reserve_echo])):
+            stderr.print(f"note: {note}", markup=False, highlight=False)
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:

@@ -11,6 +11,10 @@ dtypes in ``__post_init__``:
 - ``MemoryOptions``: the memory configuration (GPU memory, reserve, allocator
   rounding, master weights, FSDP2 placement): where a new memory-model input goes.
 
+Sizes on the command line (``80GiB``; a bare number is an error, ``80GB`` is SI and
+echoed in GiB) are parsed in ``sizes``, with the reserve's check that names the
+option the user typed.
+
 A command's options (``ProfileOptions``, ``VerifyOptions``, ``PlanOptions``,
 ``InspectOptions``) are ``Composed`` of these pieces plus the command's own fields.
 It imports the engine's torch-free choices only; every command room imports it.
@@ -27,6 +31,7 @@ from .pieces import (
     check_at_least,
     check_training_dtypes,
 )
+from .sizes import check_reserve, parse_size, si_echo
 
 __all__ = [
     "DEFAULT_RESERVE",
@@ -35,6 +40,9 @@ __all__ = [
     "MemoryOptions",
     "StepOptions",
     "check_at_least",
+    "check_reserve",
     "check_training_dtypes",
+    "parse_size",
     "route",
+    "si_echo",
 ]

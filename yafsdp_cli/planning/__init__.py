@@ -18,7 +18,13 @@ True
 """
 
 from .fit_grid import context_length, plan_model, plan_source
-from .plan_options import DEFAULT_RESERVE, PlanOptions, parse_ints, parse_size
+from .plan_options import (
+    DEFAULT_RESERVE,
+    PlanOptions,
+    gpu_memory_notes,
+    parse_ints,
+    parse_size,
+)
 from .plan_report import SCHEMA, LinearityCheck, PlanBreakdown, PlanReport, PlanRow, Smallest
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "context_length",
     "plan_model",
     "parse_ints",
+    "gpu_memory_notes",
     "parse_size",
     "plan_source",
 ]
