@@ -13,6 +13,7 @@ from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..options import (
     DEFAULT_RESERVE,
+    DEFAULT_TRAINING_DTYPE,
     Composed,
     LayoutOptions,
     MemoryOptions,
@@ -55,7 +56,7 @@ class PlanOptions(Composed):
     )
     DEFAULTS = {
         "seq_len": None,
-        "param_dtype": "bfloat16",
+        "param_dtype": DEFAULT_TRAINING_DTYPE,
         "optimizer_impl": "foreach",  # torch's default for CUDA tensors
         "target": "cuda",
         "reserve": DEFAULT_RESERVE,
