@@ -40,8 +40,8 @@ def training_dtype(requested: str | None, spec: ModelSpec) -> TrainingDtype:
     if not spec.dtype_stored:
         return TrainingDtype(
             DEFAULT_TRAINING_DTYPE,
-            f"parameters in {DEFAULT_TRAINING_DTYPE}: the source stores no dtype, so every "
-            "command trains it in plan's default (--param-dtype sets another)",
+            f"parameters in {DEFAULT_TRAINING_DTYPE}: the source stores no dtype (plan's "
+            "default; --param-dtype sets another)",
         )
     stored = sorted({t.dtype for t in spec.params if t.floating})
     return TrainingDtype(None, f"parameters in their stored dtype ({', '.join(stored) or 'none'})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,41 @@ def human_bytes(n: int | float) -> str:
     while abs(value) >= 1024 and unit < len(_UNITS) - 1:
         value, unit = value / 1024, unit + 1
     return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
+
+
+_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
+
+
+class AnswerText:
+    """A report's first lines, for a Rich console: the first in bold, wrapped at the
+    console's width between figures, never inside one ("1.64 MiB" stays on one line;
+    Rich's own wrapping breaks at any space, a no-break one included, and textwrap's
+    does not break at a no-break space)."""
+
+    def __init__(self, lines: Sequence[str]):
+        self.lines = [line for line in lines if line]
+
+    def __rich_console__(self, console, options):
+        import textwrap
+
+        from rich.text import Text
+
+        width = max(options.max_width, 20)
+        for i, line in enumerate(self.lines):
+            held = _FIGURE.sub("\\1\u00a0\\2", line)
+            for part in textwrap.wrap(held, width, break_on_hyphens=False, subsequent_indent="  "):
+                part = part.replace("\u00a0", " ")
+                yield Text(part, style="bold" if i == 0 else "", no_wrap=True, overflow="fold")
+        yield Text("")  # the tables follow
+
+
+def answer_text(lines: Sequence[str]) -> AnswerText:
+    return AnswerText(lines)
+
+
+def answer_markdown(lines: Sequence[str], escape=lambda t: t) -> str:
+    """A report's first lines as one markdown paragraph, one line each."""
+    return "  \n".join(escape(line) for line in lines if line) + "\n"
 
 
 def human_count(n: int) -> str:
