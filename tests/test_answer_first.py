@@ -112,3 +112,18 @@ def test_profile_four_renderings_agree(profiled):
         for name, text in (("table", table), ("markdown", markdown), ("html", page)):
             assert human_bytes(peak) in text, (name, step)
     assert markdown.splitlines()[0].rstrip() == profile_view.verdict(profiled)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_verify_gives_its_verdict_first(width):
+    from yafsdp_cli.report import verify_view
+    from yafsdp_cli.verify import VerifyOptions, verify_model
+
+    report = verify_model(
+        load_source(None, model="sample_models.models:mlp"), VerifyOptions(steps=1)
+    )
+    lines = rendered(verify_view.to_rich(report), width)
+    verdict = verify_view.verdict(report)
+    assert verdict.startswith("OK: ")
+    check_opening([verdict], lines, width)
+    assert verify_view.to_markdown(report).startswith(f"**{verdict}**")
