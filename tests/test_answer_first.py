@@ -127,3 +127,39 @@ def test_verify_gives_its_verdict_first(width):
     assert verdict.startswith("OK: ")
     check_opening([verdict], lines, width)
     assert verify_view.to_markdown(report).startswith(f"**{verdict}**")
+
+
+def tables(lines: list[str], header: str) -> list[list[list[str]]]:
+    """The cells of each row of every table whose header row starts with ``header``."""
+    found = []
+    for start in (i for i, line in enumerate(lines) if line.startswith(f"┃ {header} ")):
+        rows = []
+        for line in lines[start + 2 :]:
+            if not line.startswith("│"):
+                break
+            rows.append([c.strip() for c in line.strip("│").split("│")])
+        found.append(rows)
+    return found
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_names_stay_distinct_and_numbers_whole_at_any_width(inspected, width):
+    lines = rendered(inspect_view.to_rich(inspected), width)
+    assert all(len(line) <= width for line in lines)
+    block = next(b for b in inspected.buffers if any("q_proj" in e.name for e in b.entries))
+    full = [e.name for e in block.entries]
+    shown = next(
+        [row[0] for row in rows] for rows in tables(lines, "entry") if "proj" in rows[0][0]
+    )
+    assert len(set(shown)) == len(full) == 7  # seven projections, seven names
+    for name, cell in zip(full, shown, strict=True):
+        tail = ".".join(name.split(".")[-2:])  # q_proj.weight
+        assert cell == name or (cell.endswith(tail) and "…" in cell), (name, cell)
+    shards = [row for rows in tables(lines, "rank") for row in rows]
+    assert shards
+    for row in shards:  # the shard maps: slices and numbers whole; "holds" may wrap
+        if row[0]:
+            assert re.fullmatch(r"\d+|\.\.\.", row[0]), row
+            assert re.fullmatch(r"\[[\d,]+:[\d,]+\]|", row[1]), row
+        else:
+            assert row[1] == "" and row[3] == "", row  # a wrapped "holds" cell

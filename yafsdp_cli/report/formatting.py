@@ -122,26 +122,42 @@ class Section:
     names: tuple[int, ...] = ()  # columns of dotted names: folded in the middle, not wrapped
 
 
-def fold_middle(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, an ellipsis in the middle
-    (``model.layers.0.mlp.down_proj.weight`` -> ``model.layers.0…down_proj.weight``):
-    the head says where a name lives, the tail what it is."""
+def common_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix every name shares (``model.layers.0.``), or ``""``."""
+    if len(names) < 2:
+        return ""
+    first, last = min(names), max(names)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[: first.rfind(".", 0, n) + 1]
+
+
+def fold_name(text: str, width: int, prefix: str = "") -> str:
+    """``text`` in at most ``width`` characters: what is cut is the ``prefix`` every
+    name of the column shares, from its end, then the name's own start, never its
+    end (``model.layers.0.self_attn.q_proj.weight`` -> ``model…q_proj.weight``), so
+    the names of one table stay as distinct as their tails: the tail says what a
+    parameter is, and the table's title says which unit it lives in."""
     if len(text) <= width:
         return text
     if width <= 1:
         return "…"[:width]
-    keep = width - 1
-    head = keep * 2 // 5
-    return text[:head] + "…" + text[len(text) - (keep - head) :]
+    rest = text[len(prefix) :] if prefix and text.startswith(prefix) else text
+    room = width - 1 - len(rest)  # characters of the prefix that still fit before "…"
+    if room > 0:
+        return text[:room] + "…" + rest
+    return "…" + rest[len(rest) - (width - 1) :]
 
 
-class MiddleFold:
-    """A table cell that never wraps: too narrow a column folds it in the middle."""
+class FoldedName:
+    """A table cell that never wraps: too narrow a column cuts the name's shared
+    prefix first and keeps its distinguishing tail (``fold_name``)."""
 
     MIN_WIDTH = 16
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str, prefix: str = ""):
+        self.text, self.prefix = text, prefix
 
     def __rich_measure__(self, console, options):
         from rich.measure import Measurement
@@ -151,13 +167,15 @@ class MiddleFold:
     def __rich_console__(self, console, options):
         from rich.text import Text
 
-        yield Text(fold_middle(self.text, options.max_width), no_wrap=True, overflow="crop")
+        folded = fold_name(self.text, options.max_width, self.prefix)
+        yield Text(folded, no_wrap=True, overflow="crop")
 
 
 def section_table(s: Section, *, fold_names: bool = True) -> Table:
     """A Rich table of ``s``; cells are Text, not markup (names hold brackets). Name
-    columns fold in the middle when the terminal is narrow (full with ``fold_names``
-    off: ``--all``)."""
+    columns fold when the terminal is narrow (full with ``fold_names`` off:
+    ``--all``). Columns of single words (numbers, slices such as ``[0:4,096]``) never
+    wrap, so a number is never split across lines."""
     from rich.table import Table
     from rich.text import Text
 
@@ -169,12 +187,20 @@ def section_table(s: Section, *, fold_names: bool = True) -> Table:
         caption_justify="left",
         show_header=any(s.headers),
     )
+    columns = list(zip(*s.rows)) if s.rows else [()] * len(s.headers)
+    prefixes = [common_prefix(c) if i in s.names else "" for i, c in enumerate(columns)]
     for i, h in enumerate(s.headers):
-        table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
+        words = i not in s.names and all(" " not in c for c in columns[i])
+        table.add_column(
+            Text(h),
+            justify="right" if i in s.right else "left",
+            overflow="fold",
+            no_wrap=words and any(ch.isdigit() for c in columns[i] for ch in c),
+        )
     for row in s.rows:
         table.add_row(
             *(
-                MiddleFold(cell) if fold_names and i in s.names else Text(cell)
+                FoldedName(cell, prefixes[i]) if fold_names and i in s.names else Text(cell)
                 for i, cell in enumerate(row)
             )
         )
