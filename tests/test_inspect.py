@@ -149,7 +149,7 @@ def test_json_records_every_option():
     }
     assert {b["dtype"] for b in doc["buffers"]} == {"float16"}  # planned in the training dtype
     assert all(b["end_multiple"] == 128 and b["start_align"] == 64 for b in doc["buffers"])
-    assert any("planned and counted in float16" in a for a in doc["assumptions"])
+    assert any("parameters in float16 (--param-dtype)" in a for a in doc["assumptions"])
 
 
 def test_master_weights_flag_changes_the_figures():

@@ -22,16 +22,18 @@ every room.
 from __future__ import annotations
 
 # The module that registers each command, in the order ``yafsdp --help`` lists them.
+# in the README's order, which is the order ``--help`` lists them in (Typer lists
+# commands as they register, and they register as their modules are imported)
 COMMAND_MODULES = {
-    "check": "check_cmd",
+    "plan": "plan_cmd",
+    "calibrate": "calibrate_cmd",
+    "inspect": "inspect_cmd",
     "convert": "convert_cmd",
     "restore": "convert_cmd",
     "reshard": "convert_cmd",
-    "inspect": "inspect_cmd",
     "verify": "verify_cmd",
-    "plan": "plan_cmd",
     "profile": "profile_cmd",
-    "calibrate": "calibrate_cmd",
+    "check": "check_cmd",
 }
 _ROOT_FLAGS = ("--debug",)  # root options that may come before the command name
 

@@ -190,7 +190,12 @@ QuantizeOpt = Annotated[
 
 # the memory configuration
 GpuMemoryOpt = Annotated[
-    str, typer.Option("--gpu-memory", help="Memory per GPU, e.g. 80GiB.", show_default=False)
+    str,
+    typer.Option(
+        "--gpu-memory",
+        help="Memory per GPU with its unit, e.g. 80GiB or 81559MiB (GB: powers of 1000).",
+        show_default=False,
+    ),
 ]
 ReserveOpt = Annotated[
     str | None,

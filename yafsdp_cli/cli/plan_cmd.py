@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
+from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once, stderr
 from .flags import (
     AlignOpt,
     AllocConfOpt,
@@ -147,13 +147,20 @@ def plan_command(
         check_html_path(html, source)
         from ..errors import YafsdpError
         from ..memory.step_schemes import check_schemes
-        from ..planning import PlanOptions, parse_ints, parse_size, plan_source
+        from ..options import check_reserve, si_echo
+        from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size, plan_source
         from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
         from ..report import plan_view as view
 
         if not (gpu_memory or gpu or gpu_profile):
             raise YafsdpError(
                 "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
+            )
+        if gpu_memory and reserve is not None:  # the error blames the option typed
+            check_reserve(
+                parse_size(gpu_memory, "--gpu-memory"),
+                parse_size(reserve, "--reserve"),
+                reserve_typed=True,
             )
         opts = options_from(
             PlanOptions,
@@ -172,6 +179,12 @@ def plan_command(
         if margin is not None:
             kept = parse_margin(margin, opts.memory.gpu_memory)
             opts = replace(opts, memory=replace(opts.memory, margin=kept))
+        reserve_echo = si_echo(reserve, "--reserve") if reserve is not None else None
+        for note in (
+            *(gpu_memory_notes(gpu_memory) if gpu_memory else ()),
+            *filter(None, [reserve_echo]),
+        ):
+            stderr.print(f"note: {note}", markup=False, highlight=False)
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:

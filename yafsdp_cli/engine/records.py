@@ -64,6 +64,10 @@ class ModelSpec:
     source: str = ""  # what was loaded, for reports
     source_kind: str = ""  # "safetensors", "state_dict", "module", "hf", ...
     metadata: dict[str, str] = field(default_factory=dict)
+    # False: the source records no dtype (an HF config saved without dtype/torch_dtype):
+    # the records hold float32, torch's default, and every command trains such a model
+    # in one dtype (``options.training_dtype``)
+    dtype_stored: bool = True
 
     @property
     def params(self) -> tuple[TensorRecord, ...]:

@@ -34,6 +34,7 @@ from ..memory.estimate import (
     estimate_memory,
 )
 from ..memory.fsdp2 import RankGroup, UnevenSplit
+from ..options.training_dtype import training_dtype
 from ..sources.adapted import adapt, keeps_stored_base
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
@@ -197,7 +198,8 @@ def inspect_model(
     ``YafsdpError`` for bad options.
     """
     opts = opts if opts is not None else InspectOptions(**flat)
-    lay, step = opts.layout, opts.step
+    trained = training_dtype(opts.step.param_dtype, loaded.spec)
+    lay, step = opts.layout, dataclasses.replace(opts.step, param_dtype=trained.dtype)
     loaded = adapt(loaded, step)  # --freeze, --lora: what trains
     if not loaded.spec.tensors:
         raise SourceError(f"{loaded.spec.source or 'the source'} holds no tensors to lay out")
@@ -246,7 +248,7 @@ def inspect_model(
         units=layout.units,
         memory=_memory_summary(memory),
         notes=spec.notes + stored_notes(stored, cfg),
-        assumptions=_option_assumptions(inputs, spec) + assumptions(memory),
+        assumptions=(trained.why, *assumptions(memory)),
         layout=layout,
         memory_report=memory,
         stored_state=stored,
@@ -388,16 +390,6 @@ def _memory_summary(report: MemoryReport) -> MemorySummary:
         fsdp_placement=report.fsdp2.placement,
         fsdp_uneven=report.fsdp2.uneven,
     )
-
-
-def _option_assumptions(inputs: InspectInputs, spec: ModelSpec) -> tuple[str, ...]:
-    if inputs.param_dtype:
-        stored = sorted({t.dtype for t in spec.params if t.floating})
-        return (
-            f"parameters are planned and counted in {inputs.param_dtype} (--param-dtype), "
-            f"whatever their stored dtype ({', '.join(stored) or 'none'})",
-        )
-    return ("parameters are planned and counted in their stored dtypes",)
 
 
 def shard_rows(buffer: BufferLayout, ranks: Sequence[int]) -> tuple[ShardRow, ...]:

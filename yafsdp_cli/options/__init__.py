@@ -13,6 +13,13 @@ dtypes in ``__post_init__``:
   beside the allocator and the margin, allocator rounding and settings, master
   weights, FSDP2 placement): where a new memory-model input goes.
 
+Sizes on the command line (``80GiB``; a bare number is an error, ``80GB`` is SI and
+echoed in GiB) are parsed in ``sizes``, with the reserve's check that names the
+option the user typed.
+
+The dtype a model is trained in follows one rule (``training_dtype``): --param-dtype,
+else as stored, else (a source that stores none) ``DEFAULT_TRAINING_DTYPE``.
+
 A command's options (``ProfileOptions``, ``VerifyOptions``, ``PlanOptions``,
 ``InspectOptions``) are ``Composed`` of these pieces plus the command's own fields.
 It imports the engine's torch-free choices only; every command room imports it.
@@ -30,15 +37,23 @@ from .pieces import (
     check_at_least,
     check_training_dtypes,
 )
+from .sizes import check_reserve, parse_size, si_echo
+from .training_dtype import DEFAULT_TRAINING_DTYPE, TrainingDtype, training_dtype
 
 __all__ = [
     "DEFAULT_MARGIN",
     "OUTSIDE_PARTS",
+    "DEFAULT_TRAINING_DTYPE",
     "Composed",
     "LayoutOptions",
     "MemoryOptions",
     "StepOptions",
+    "TrainingDtype",
     "check_at_least",
+    "check_reserve",
     "check_training_dtypes",
+    "parse_size",
     "route",
+    "si_echo",
+    "training_dtype",
 ]

@@ -22,7 +22,7 @@ True
 """
 
 from .fit_grid import context_length, plan_model, plan_source
-from .plan_options import PlanOptions, parse_ints, parse_size
+from .plan_options import PlanOptions, gpu_memory_notes, parse_ints, parse_size
 from .plan_report import (
     SCHEMA,
     LinearityCheck,
@@ -45,6 +45,7 @@ __all__ = [
     "context_length",
     "plan_model",
     "parse_ints",
+    "gpu_memory_notes",
     "parse_size",
     "plan_source",
 ]

@@ -1,5 +1,5 @@
 """What ``plan`` is asked: its options (the layout, step and memory pieces and its
-grid), and the parsing of sizes and lists."""
+grid), the parsing of lists, and what a GPU size given in GB really is."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..memory.step_schemes import check_schemes
 from ..options import (
+    DEFAULT_TRAINING_DTYPE,
     OUTSIDE_PARTS,
     Composed,
     LayoutOptions,
@@ -20,6 +21,8 @@ from ..options import (
     StepOptions,
     check_at_least,
 )
+from ..options.sizes import parse_size, si_echo
+from ..timing.gpu_specs import GIB, GPUS, MIB
 
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too
@@ -66,7 +69,7 @@ class PlanOptions(Composed):
     )
     DEFAULTS = {
         "seq_len": None,
-        "param_dtype": "bfloat16",
+        "param_dtype": DEFAULT_TRAINING_DTYPE,
         "optimizer_impl": "foreach",  # torch's default for CUDA tensors
         "target": "cuda",
         "round_bytes": ROUND_BYTES,
@@ -142,36 +145,28 @@ class PlanOptions(Composed):
         return memory_config(self.step, self.memory)
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "k": 1024,
-    "m": 1024**2,
-    "g": 1024**3,
-    "t": 1024**4,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """``"80GiB"`` -> bytes. K/M/G/T and KiB..TiB are powers of 1024, KB..TB of 1000."""
-    s = text.strip().replace(" ", "").lower()
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _SIZE_UNITS or value < 0:
-        raise YafsdpError(f"{flag} {text!r} is not a size; write it like 80GiB, 2GiB or 512MiB")
-    return int(value * _SIZE_UNITS[unit])
+def gpu_memory_notes(text: str) -> tuple[str, ...]:
+    """What ``--gpu-memory`` given in SI units (``80GB``) is in GiB and, where GPUs
+    sold as that many GB are in ``timing.gpu_specs``, what they really hold: the box
+    says "80 GB" of a GPU whose driver reports 81,559 MiB (79.65 GiB), so ``80GB``
+    (74.51 GiB) understates it by 5 GiB, enough to turn a fit into an OOM."""
+    echo = si_echo(text, "--gpu-memory")
+    if echo is None:
+        return ()
+    sold_as = parse_size(text, "--gpu-memory") / 10**9  # the number on the box
+    near: dict[int, str] = {}  # one name per figure: the H100 SXM and PCIe hold the same
+    for g in GPUS.values():
+        if abs(g.memory_bytes / GIB - sold_as) <= 0.1 * sold_as:
+            near.setdefault(g.memory_bytes, g.name)
+    if not near:
+        return (echo,)
+    held = ", ".join(f"{name} {b // MIB:,} MiB ({b / GIB:.2f} GiB)" for b, name in near.items())
+    first = min(near)
+    hint = (
+        f"GPUs sold as {sold_as:g} GB hold {held}; give what nvidia-smi reports, "
+        f"e.g. --gpu-memory {first // MIB}MiB"
+    )
+    return (echo, hint)
 
 
 def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:

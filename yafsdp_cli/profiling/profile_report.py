@@ -79,6 +79,7 @@ class ProfileReport:
     kernels: dict[str, int]  # substituted CUDA attention kernels, by kind (--target cuda)
     notes: tuple[str, ...] = ()
     outside: OutsideAllocator | None = None  # GPU memory beside the allocator (target cuda)
+    training_dtype: str = ""  # which dtype the parameters are trained in, and why
 
     @property
     def saving_bytes(self) -> int:

@@ -13,6 +13,7 @@ each unit's buffers are gathered while it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -33,6 +34,7 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from ..options.training_dtype import training_dtype
 from ..sources.adapted import adapt, keeps_stored_base
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
@@ -65,11 +67,14 @@ def profile_model(
     ``traces``, if given, gets each variant's ``AllocTrace`` (for
     ``memory.caching_allocator.reserved_of``) under "original" and "converted"."""
     opts = opts or ProfileOptions()
+    trained = training_dtype(opts.param_dtype, loaded.spec)
+    opts = dataclasses.replace(opts, param_dtype=trained.dtype)
     _check_target(opts)
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
-        return _profile(loaded, opts, fake_mode, progress or (lambda *_: None), traces)
+        report = _profile(loaded, opts, fake_mode, progress or (lambda *_: None), traces)
+    return dataclasses.replace(report, training_dtype=trained.why)
 
 
 def _check_target(opts: ProfileOptions) -> None:

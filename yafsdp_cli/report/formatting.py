@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,41 @@ def human_bytes(n: int | float) -> str:
     while abs(value) >= 1024 and unit < len(_UNITS) - 1:
         value, unit = value / 1024, unit + 1
     return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
+
+
+_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
+
+
+class AnswerText:
+    """A report's first lines, for a Rich console: the first in bold, wrapped at the
+    console's width between figures, never inside one ("1.64 MiB" stays on one line;
+    Rich's own wrapping breaks at any space, a no-break one included, and textwrap's
+    does not break at a no-break space)."""
+
+    def __init__(self, lines: Sequence[str]):
+        self.lines = [line for line in lines if line]
+
+    def __rich_console__(self, console, options):
+        import textwrap
+
+        from rich.text import Text
+
+        width = max(options.max_width, 20)
+        for i, line in enumerate(self.lines):
+            held = _FIGURE.sub("\\1\u00a0\\2", line)
+            for part in textwrap.wrap(held, width, break_on_hyphens=False, subsequent_indent="  "):
+                part = part.replace("\u00a0", " ")
+                yield Text(part, style="bold" if i == 0 else "", no_wrap=True, overflow="fold")
+        yield Text("")  # the tables follow
+
+
+def answer_text(lines: Sequence[str]) -> AnswerText:
+    return AnswerText(lines)
+
+
+def answer_markdown(lines: Sequence[str], escape=lambda t: t) -> str:
+    """A report's first lines as one markdown paragraph, one line each."""
+    return "  \n".join(escape(line) for line in lines if line) + "\n"
 
 
 def human_count(n: int) -> str:
@@ -86,26 +122,42 @@ class Section:
     names: tuple[int, ...] = ()  # columns of dotted names: folded in the middle, not wrapped
 
 
-def fold_middle(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, an ellipsis in the middle
-    (``model.layers.0.mlp.down_proj.weight`` -> ``model.layers.0…down_proj.weight``):
-    the head says where a name lives, the tail what it is."""
+def common_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix every name shares (``model.layers.0.``), or ``""``."""
+    if len(names) < 2:
+        return ""
+    first, last = min(names), max(names)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[: first.rfind(".", 0, n) + 1]
+
+
+def fold_name(text: str, width: int, prefix: str = "") -> str:
+    """``text`` in at most ``width`` characters: what is cut is the ``prefix`` every
+    name of the column shares, from its end, then the name's own start, never its
+    end (``model.layers.0.self_attn.q_proj.weight`` -> ``model…q_proj.weight``), so
+    the names of one table stay as distinct as their tails: the tail says what a
+    parameter is, and the table's title says which unit it lives in."""
     if len(text) <= width:
         return text
     if width <= 1:
         return "…"[:width]
-    keep = width - 1
-    head = keep * 2 // 5
-    return text[:head] + "…" + text[len(text) - (keep - head) :]
+    rest = text[len(prefix) :] if prefix and text.startswith(prefix) else text
+    room = width - 1 - len(rest)  # characters of the prefix that still fit before "…"
+    if room > 0:
+        return text[:room] + "…" + rest
+    return "…" + rest[len(rest) - (width - 1) :]
 
 
-class MiddleFold:
-    """A table cell that never wraps: too narrow a column folds it in the middle."""
+class FoldedName:
+    """A table cell that never wraps: too narrow a column cuts the name's shared
+    prefix first and keeps its distinguishing tail (``fold_name``)."""
 
     MIN_WIDTH = 16
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str, prefix: str = ""):
+        self.text, self.prefix = text, prefix
 
     def __rich_measure__(self, console, options):
         from rich.measure import Measurement
@@ -115,13 +167,15 @@ class MiddleFold:
     def __rich_console__(self, console, options):
         from rich.text import Text
 
-        yield Text(fold_middle(self.text, options.max_width), no_wrap=True, overflow="crop")
+        folded = fold_name(self.text, options.max_width, self.prefix)
+        yield Text(folded, no_wrap=True, overflow="crop")
 
 
 def section_table(s: Section, *, fold_names: bool = True) -> Table:
     """A Rich table of ``s``; cells are Text, not markup (names hold brackets). Name
-    columns fold in the middle when the terminal is narrow (full with ``fold_names``
-    off: ``--all``)."""
+    columns fold when the terminal is narrow (full with ``fold_names`` off:
+    ``--all``). Columns of single words (numbers, slices such as ``[0:4,096]``) never
+    wrap, so a number is never split across lines."""
     from rich.table import Table
     from rich.text import Text
 
@@ -133,12 +187,20 @@ def section_table(s: Section, *, fold_names: bool = True) -> Table:
         caption_justify="left",
         show_header=any(s.headers),
     )
+    columns = list(zip(*s.rows)) if s.rows else [()] * len(s.headers)
+    prefixes = [common_prefix(c) if i in s.names else "" for i, c in enumerate(columns)]
     for i, h in enumerate(s.headers):
-        table.add_column(Text(h), justify="right" if i in s.right else "left", overflow="fold")
+        words = i not in s.names and all(" " not in c for c in columns[i])
+        table.add_column(
+            Text(h),
+            justify="right" if i in s.right else "left",
+            overflow="fold",
+            no_wrap=words and any(ch.isdigit() for c in columns[i] for ch in c),
+        )
     for row in s.rows:
         table.add_row(
             *(
-                MiddleFold(cell) if fold_names and i in s.names else Text(cell)
+                FoldedName(cell, prefixes[i]) if fold_names and i in s.names else Text(cell)
                 for i, cell in enumerate(row)
             )
         )

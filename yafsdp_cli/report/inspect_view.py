@@ -14,6 +14,8 @@ from ..engine import dtypes
 from ..inspect.build import SCHEMA, BufferInfo, InspectReport, shard_rows
 from .formatting import (
     Section,
+    answer_markdown,
+    answer_text,
     human_bytes,
     human_count,
     json_document,
@@ -251,6 +253,31 @@ def stored_section(report: InspectReport) -> Section:
     return Section("checkpoint contents", headers, tuple(rows), right=(2, 3), caption=caption)
 
 
+def answer(report: InspectReport) -> list[str]:
+    """The report's answer in at most five lines, before any table: each scheme's
+    memory per rank, the flat scheme's saving, and the dtype it rests on."""
+    m, p, inp = report.memory, report.params, report.inputs
+    by = {s.scheme: s for s in m.schemes}
+    flat, ddp = by["yafsdp"], by["ddp"]
+    change = (
+        f"saves {flat.savings_percent:.1f}%"
+        if flat.savings_bytes >= 0
+        else f"needs {human_bytes(-flat.savings_bytes)} more"
+    )
+    others = [s for s in m.schemes if s.scheme not in ("yafsdp", "ddp")]
+    named = ", ".join(
+        f"{SCHEME_HEADERS.get(s.scheme, s.scheme)} {human_bytes(s.total)}" for s in others
+    )
+    return [
+        f"per rank at world size {inp.world_size}: yafsdp flat {human_bytes(flat.total)}, "
+        f"DDP {human_bytes(ddp.total)} ({change})",
+        f"other schemes: {named}",
+        f"{report.assumptions[0]}; optimizer {inp.optimizer}" if report.assumptions else "",
+        f"{human_count(p.total_numel)} parameters, {p.converted_count} tensors in "
+        f"{len(report.buffers)} flat buffers (* reference estimates)",
+    ]
+
+
 def notes(report: InspectReport) -> list[str]:
     """Everything the figures rest on: the source's notes, then the assumptions."""
     return [*report.notes, *report.assumptions]
@@ -283,7 +310,8 @@ def _percent(part: int, whole: int) -> str:
 
 
 def to_markdown(report: InspectReport, *, show_all: bool = False) -> str:
-    parts = [section_markdown(s, _md_escape) for s in sections(report, show_all=show_all)]
+    first = answer_markdown(answer(report), _md_escape)
+    parts = [first, *(section_markdown(s, _md_escape) for s in sections(report, show_all=show_all))]
     parts.append("### Notes and assumptions\n")
     parts += [f"- {line}" for line in notes(report)]
     return "\n".join(parts) + "\n"
@@ -326,9 +354,8 @@ def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
     followed by its bar chart."""
     from rich.text import Text
 
-    out: list = [
-        section_table(s, fold_names=not show_all) for s in sections(report, show_all=show_all)
-    ]
+    out: list = [answer_text(answer(report))]
+    out += [section_table(s, fold_names=not show_all) for s in sections(report, show_all=show_all)]
     out.append(memory_bars(report))
     text = Text("Notes and assumptions\n", style="bold")
     for line in notes(report):
@@ -339,6 +366,7 @@ def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
 
 __all__ = [
     "Section",
+    "answer",
     "payload",
     "plain",
     "sections",

@@ -6,8 +6,14 @@ Nothing is computed here beyond differences of figures the report holds.
 from __future__ import annotations
 
 from ..profiling import CATEGORIES, SCHEMA, ProfileReport, StepProfile
-from .formatting import human_bytes, json_document
-from .verify_view import Section, markdown_sections, rich_sections
+from .formatting import (
+    AnswerText,
+    answer_markdown,
+    human_bytes,
+    json_document,
+    section_markdown,
+)
+from .verify_view import Section, rich_sections
 
 LABELS = {
     "parameters": "parameters",
@@ -43,6 +49,7 @@ def to_json(report: ProfileReport) -> str:
             "kernels": report.kernels,
             "outside": _outside_json(report),
             "notes": report.notes,
+            "training_dtype": report.training_dtype,
         },
     )
 
@@ -277,8 +284,32 @@ def verdict(report: ProfileReport) -> str:
     return f"converted peak {human_bytes(c)}: {human_bytes(c - o)} above the original"
 
 
+def answer(report: ProfileReport) -> list[str]:
+    """The report's answer in at most five lines, before any table: the verdict,
+    both peaks, what the GPU must hold where that is known, and the assumptions."""
+    o, c = report.original, report.converted_step
+    rank = f"rank 0 of {report.world_size}" if report.world_size > 1 else "1 process"
+    lines = [
+        verdict(report),
+        f"peak: original {human_bytes(o.peak.total)} in {o.peak_phase}, converted "
+        f"{human_bytes(c.peak.total)} in {c.peak_phase}",
+    ]
+    if o.reserved and c.reserved:
+        lines.append(
+            f"needed (reserved + outside): original "
+            f"{human_bytes(o.reserved.gpu_bytes)}, converted {human_bytes(c.reserved.gpu_bytes)}"
+        )
+    run = "fake tensors" if report.fake else f"real tensors on {report.device}"
+    lines.append(f"{run}, {report.target}'s kernels, {rank}, {report.optimizer}; {report.inputs}")
+    if report.training_dtype:
+        lines.append(report.training_dtype)
+    return lines
+
+
 def to_markdown(report: ProfileReport) -> str:
-    return markdown_sections(sections(report), report.notes, verdict(report))
+    parts = [answer_markdown(answer(report)), *(section_markdown(s) for s in sections(report))]
+    parts += [f"- {n}" for n in report.notes]
+    return "\n".join(parts) + "\n"
 
 
 def peak_bars(report: ProfileReport):
@@ -299,4 +330,5 @@ def to_rich(report: ProfileReport) -> list:
     ok = report.converted_step.peak.total <= report.original.peak.total
     out = rich_sections(sections(report), report.notes, verdict(report), ok)
     out.insert(2, peak_bars(report))  # under the peak table
+    out.insert(0, AnswerText(answer(report)))
     return out

@@ -220,7 +220,12 @@ def markdown_sections(items: Sequence[Section], notes: Sequence[str], first: str
 
 
 def to_rich(report: VerifyReport) -> list:
-    return rich_sections(sections(report), report.notes, verdict(report), report.ok)
+    """The verdict first (the answer), the tables, the notes, and the verdict again
+    under them, where a long report's reader ends up."""
+    from .formatting import AnswerText
+
+    ending = rich_sections(sections(report), report.notes, verdict(report), report.ok)
+    return [AnswerText([verdict(report)]), *ending]
 
 
 def rich_sections(items: Sequence[Section], notes: Sequence[str], last: str, ok: bool) -> list:

@@ -53,6 +53,7 @@ def load_hf_folder(path: Path, *, trust_pickle: bool = False) -> LoadedModel:
         )
     with quiet_transformers():
         cfg = _config(path, trust_pickle)
+        stored = _stored_dtype(cfg) is not None  # before building, which sets one
         build = _builder(cfg, path, trust_pickle)
         module = _build_meta(build, path)
     from ..engine.module_spec import spec_from_module
@@ -60,11 +61,12 @@ def load_hf_folder(path: Path, *, trust_pickle: bool = False) -> LoadedModel:
     arch = spec_from_module(module, source=str(path), source_kind="hf")
     factory = _RealBuilder(build)
     if weights is None:
+        dtype = _dtype_name(cfg) if stored else "none stored"
         note = (
             f"config.json alone: {type(module).__name__} built on the meta device from the "
-            f"config, no weights; dtypes from the config ({_dtype_name(cfg)})"
+            f"config, no weights; dtypes from the config ({dtype})"
         )
-        spec = replace(arch, notes=(*arch.notes, note))
+        spec = replace(arch, notes=(*arch.notes, note), dtype_stored=stored)
         return LoadedModel(spec=spec, module=module, factory=factory, path=path)
     return _with_weights(path, weights, module, arch, factory, build, trust_pickle)
 
@@ -157,13 +159,22 @@ def _dtype_kw(dtype) -> dict:
     return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
 
 
-def _config_dtype(cfg):
+def _stored_dtype(cfg):
+    """The config's dtype (``dtype``, or ``torch_dtype`` before transformers 5), or
+    None where it records none (transformers 5 saves a config built in code without
+    one)."""
     import torch
 
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None) if dtype != "auto" else None
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _config_dtype(cfg):
+    import torch
+
+    return _stored_dtype(cfg) or torch.float32
 
 
 def _dtype_name(cfg) -> str:

@@ -1,0 +1,165 @@
+"""The answer first: inspect and profile open with at most five lines that answer
+the question, before any table, at 80 and 120 columns, never splitting a figure; and
+the table, markdown, JSON and HTML renderings show the same figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+from rich.console import Console
+
+from tests.conftest import SAMPLES
+from yafsdp_cli.inspect.build import inspect_model
+from yafsdp_cli.profiling import ProfileOptions, profile_model
+from yafsdp_cli.report import inspect_view, profile_view
+from yafsdp_cli.report.formatting import human_bytes
+from yafsdp_cli.report.html import inspect_page, profile_page
+from yafsdp_cli.sources import load_source
+
+LLAMA = SAMPLES / "llama.safetensors"
+FIGURE = re.compile(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)")
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    return inspect_model(load_source(LLAMA), world_size=8)
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    loaded = load_source(None, model="sample_models.models:mlp")
+    return profile_model(loaded, ProfileOptions(seq_len=8, batch=2))
+
+
+def rendered(renderables, width: int) -> list[str]:
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, highlight=False)
+    for r in renderables:
+        console.print(r)
+    return out.getvalue().splitlines()
+
+
+def opening(lines: list[str]) -> list[str]:
+    """The lines before the first blank one: the answer."""
+    return lines[: lines.index("")]
+
+
+def check_opening(answer: list[str], lines: list[str], width: int) -> None:
+    head = opening(lines)
+    assert len(answer) <= 5
+    assert 1 <= len(head) <= 2 * len(answer)
+    assert all(len(line) <= width for line in head)
+    # every figure of the answer is on one line: wrapped between figures, never inside
+    for figure in FIGURE.findall(" ".join(answer)):
+        assert any(figure in line for line in head), (figure, head)
+    joined = " ".join(line.strip() for line in head)
+    assert " ".join(" ".join(answer).split()) == " ".join(joined.split())
+    assert not any("┏" in line or "┌" in line for line in head)  # no table yet
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_inspect_answers_first(inspected, width):
+    answer = inspect_view.answer(inspected)
+    lines = rendered(inspect_view.to_rich(inspected), width)
+    check_opening(answer, lines, width)
+    by = {s.scheme: s for s in inspected.memory.schemes}
+    assert answer[0] == (
+        f"per rank at world size 8: yafsdp flat {human_bytes(by['yafsdp'].total)}, "
+        f"DDP {human_bytes(by['ddp'].total)} (saves {by['yafsdp'].savings_percent:.1f}%)"
+    )
+    for scheme in ("zero2", "zero3", "fsdp"):
+        assert human_bytes(by[scheme].total) in answer[1]
+    assert answer[2].startswith(inspected.assumptions[0])
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_profile_answers_first(profiled, width):
+    answer = profile_view.answer(profiled)
+    lines = rendered(profile_view.to_rich(profiled), width)
+    check_opening(answer, lines, width)
+    assert answer[0] == profile_view.verdict(profiled)
+    o, c = profiled.original.peak.total, profiled.converted_step.peak.total
+    assert f"original {human_bytes(o)}" in answer[1] and f"converted {human_bytes(c)}" in answer[1]
+    assert answer[-1] == profiled.training_dtype
+
+
+def test_inspect_four_renderings_agree(inspected):
+    table = "\n".join(rendered(inspect_view.to_rich(inspected), 200))
+    markdown = inspect_view.to_markdown(inspected)
+    doc = json.loads(inspect_view.to_json(inspected))
+    page = inspect_page(inspected)
+    assert doc["memory"]["flat_bytes"] == inspected.memory.flat_bytes
+    for scheme in doc["memory"]["schemes"]:
+        figure = human_bytes(scheme["total"])
+        for name, text in (("table", table), ("markdown", markdown), ("html", page)):
+            assert figure in text, (name, scheme["scheme"], figure)
+    assert markdown.splitlines()[0].rstrip() == inspect_view.answer(inspected)[0]
+
+
+def test_profile_four_renderings_agree(profiled):
+    table = "\n".join(rendered(profile_view.to_rich(profiled), 200))
+    markdown = profile_view.to_markdown(profiled)
+    doc = json.loads(profile_view.to_json(profiled))
+    page = profile_page(profiled)
+    assert doc["saving_bytes"] == profiled.saving_bytes
+    assert doc["training_dtype"] == profiled.training_dtype
+    for step in ("original", "converted"):
+        peak = doc[step]["peak_bytes"]
+        assert peak == sum(doc[step]["peak"][k] for k in doc[step]["peak"])  # the peak's parts
+        for name, text in (("table", table), ("markdown", markdown), ("html", page)):
+            assert human_bytes(peak) in text, (name, step)
+    assert markdown.splitlines()[0].rstrip() == profile_view.verdict(profiled)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_verify_gives_its_verdict_first(width):
+    from yafsdp_cli.report import verify_view
+    from yafsdp_cli.verify import VerifyOptions, verify_model
+
+    report = verify_model(
+        load_source(None, model="sample_models.models:mlp"), VerifyOptions(steps=1)
+    )
+    lines = rendered(verify_view.to_rich(report), width)
+    verdict = verify_view.verdict(report)
+    assert verdict.startswith("OK: ")
+    check_opening([verdict], lines, width)
+    assert verify_view.to_markdown(report).startswith(f"**{verdict}**")
+
+
+def tables(lines: list[str], header: str) -> list[list[list[str]]]:
+    """The cells of each row of every table whose header row starts with ``header``."""
+    found = []
+    for start in (i for i, line in enumerate(lines) if line.startswith(f"┃ {header} ")):
+        rows = []
+        for line in lines[start + 2 :]:
+            if not line.startswith("│"):
+                break
+            rows.append([c.strip() for c in line.strip("│").split("│")])
+        found.append(rows)
+    return found
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_names_stay_distinct_and_numbers_whole_at_any_width(inspected, width):
+    lines = rendered(inspect_view.to_rich(inspected), width)
+    assert all(len(line) <= width for line in lines)
+    block = next(b for b in inspected.buffers if any("q_proj" in e.name for e in b.entries))
+    full = [e.name for e in block.entries]
+    shown = next(
+        [row[0] for row in rows] for rows in tables(lines, "entry") if "proj" in rows[0][0]
+    )
+    assert len(set(shown)) == len(full) == 7  # seven projections, seven names
+    for name, cell in zip(full, shown, strict=True):
+        tail = ".".join(name.split(".")[-2:])  # q_proj.weight
+        assert cell == name or (cell.endswith(tail) and "…" in cell), (name, cell)
+    shards = [row for rows in tables(lines, "rank") for row in rows]
+    assert shards
+    for row in shards:  # the shard maps: slices and numbers whole; "holds" may wrap
+        if row[0]:
+            assert re.fullmatch(r"\d+|\.\.\.", row[0]), row
+            assert re.fullmatch(r"\[[\d,]+:[\d,]+\]|", row[1]), row
+        else:
+            assert row[1] == "" and row[3] == "", row  # a wrapped "holds" cell
