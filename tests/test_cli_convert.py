@@ -51,6 +51,19 @@ def test_convert_restore_reshard_happy_path(tmp_path):
     assert_same_tensors(load_st(src), load_st(back))
 
 
+def test_a_long_output_path_is_printed_whole(tmp_path):
+    """Rich folds a word longer than the console mid-name; a path must stay copyable."""
+    deep = tmp_path / ("d" * 60) / ("e" * 30)
+    deep.mkdir(parents=True)
+    flat, back = deep / "f.safetensors", deep / "r.safetensors"
+    result = run("convert", sample("llama.safetensors"), "-o", flat)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {flat} (one file" in result.stdout
+    result = run("restore", flat, "-o", back)
+    assert result.exit_code == 0, result.output
+    assert f"to {back} (" in result.stdout
+
+
 def test_json_documents(tmp_path):
     flat, folder, back = tmp_path / "f.safetensors", tmp_path / "set", tmp_path / "r.pt"
     src = sample("gpt.safetensors")

@@ -41,9 +41,13 @@ def one_thread():
 
 @pytest.fixture
 def llama(tmp_path):
-    """A config-only Llama folder: random weights for real steps, meta for fake ones."""
+    """A config-only Llama folder: random weights for real steps, meta for fake ones.
+
+    The config stores float32, the dtype the real steps train in, so the fake step
+    plans the same dtype rather than plan's bfloat16 default for dtype-less sources."""
     cfg = tiny_config("llama")
     cfg.architectures = ["LlamaForCausalLM"]
+    cfg.torch_dtype = "float32"
     cfg.save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
 

@@ -65,6 +65,7 @@ LINEARS = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]
 def llama(tmp_path):
     cfg = tiny_config("llama")
     cfg.architectures = ["LlamaForCausalLM"]
+    cfg.torch_dtype = "float32"  # stored, so the plan keeps it (dtype-less sources plan bf16)
     cfg.save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
 

@@ -188,6 +188,34 @@ def test_plan_scheme_all_json_follows_its_schema(all_schemes):
             assert flat["world_size"] is not None and flat["world_size"] <= ddp["world_size"]
 
 
+def test_schemes_fit_as_the_plan_does_with_the_itemised_outside_parts():
+    """Without --reserve a rank holds the itemised parts beside the allocator; every
+    scheme's cell fits on reserved + those, and the flat column is the plan's grid."""
+    result = runner.invoke(
+        app,
+        [
+            "plan", "--model", "sample_models.models:gpt", "--gpu-memory", "80GiB",
+            "--world-size", "1,2", "--micro-batch", "1,2", "--seq-len", "16",
+            "--checkpointing", "none", "--scheme", "flat,fsdp2,ddp", "--json",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    plan_rows = {(r["world_size"], r["micro_batch"]): r for r in doc["rows"]}
+    for s in doc["schemes"]:
+        for r in s["rows"]:
+            outside = sum(p["bytes"] for p in plan_rows[r["world_size"], 1]["outside"])
+            assert r["needed_bytes"] == r["reserved_bytes"] + outside > 0
+            assert r["reserved_bytes"] >= r["peak_bytes"]
+            if s["scheme"] == "flat":
+                own = plan_rows[r["world_size"], r["micro_batch"]]
+                assert (r["reserved_bytes"], r["needed_bytes"]) == (
+                    own["reserved_bytes"],
+                    own["needed_bytes"],
+                )
+
+
 def test_plan_without_scheme_is_the_flat_plan_alone():
     result = _plan("--json")
     assert result.exit_code == 0, result.output

@@ -63,7 +63,7 @@ def test_gpu_memory_in_gb_names_the_gpus_sold_as_that_size():
 
 
 def test_the_reserve_check_blames_the_option_typed():
-    with pytest.raises(YafsdpError, match=r"^--gpu-memory 1\.00 GiB leaves nothing beside"):
+    with pytest.raises(YafsdpError, match=r"^--gpu-memory 1\.00 GiB leaves nothing beside the 2"):
         check_reserve(2**30, 2 * 2**30, reserve_typed=False)
     with pytest.raises(YafsdpError, match=r"^--reserve 2\.00 GiB must be below --gpu-memory"):
         check_reserve(2**30, 2 * 2**30, reserve_typed=True)
@@ -74,7 +74,7 @@ def test_the_reserve_check_blames_the_option_typed():
     ("args", "message", "not_blamed"),
     [
         (["--gpu-memory", "80"], "--gpu-memory 80: a size needs a unit, e.g. 80GiB", "--reserve"),
-        (["--gpu-memory", "1GiB"], "--gpu-memory 1.00 GiB leaves nothing", "--reserve 2"),
+        (["--gpu-memory", "512MiB"], "--gpu-memory 512.00 MiB leaves nothing", "--reserve"),
         (["--gpu-memory", "80GiB", "--reserve", "2"], "--reserve 2: a size needs a unit", None),
         (["--gpu-memory", "1GiB", "--reserve", "1GiB"], "--reserve 1.00 GiB must be below", None),
         (["--gpu-memory", "0"], "--gpu-memory must be positive", None),

@@ -105,7 +105,9 @@ def test_the_readme_torchrun_line_exits_clean_every_time(tmp_path):
     for _ in range(3):
         done = _run(argv, {"OMP_NUM_THREADS": "1"}, cwd=root)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.count("OK: converted model matches") == 1  # rank 0 prints
+        # rank 0 alone prints: one report, its verdict first and again at its end
+        assert done.stdout.count("yafsdp verify") == 1, done.stdout
+        assert done.stdout.count("OK: converted model matches") == 2, done.stdout
         assert "terminate called" not in done.stderr and "SIGABRT" not in done.stderr
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .command_kit import EXIT_CHECK_FAILED, errors_to_exit, stdout
+from .command_kit import EXIT_CHECK_FAILED, errors_to_exit
 from .flags import (
     AlignOpt,
     ExcludeOpt,
@@ -19,6 +19,7 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    print_lines,
 )
 from .progress import ProgressBar
 from .root import app
@@ -55,11 +56,6 @@ FlatArg = Annotated[
         show_default=False,
     ),
 ]
-
-
-def _print(lines) -> None:
-    for line in lines:
-        stdout.print(line)
 
 
 @app.command("convert")
@@ -120,7 +116,7 @@ def convert_command(
         if json_out:
             sys.stdout.write(view.convert_json(result) + "\n")
         else:
-            _print(view.convert_view(result))
+            print_lines(view.convert_view(result))
         if not result.written:
             raise typer.Exit(EXIT_CHECK_FAILED)
 
@@ -163,7 +159,7 @@ def restore_command(
         if json_out:
             sys.stdout.write(view.restore_json(result) + "\n")
         else:
-            _print(view.restore_view(result))
+            print_lines(view.restore_view(result))
 
 
 @app.command("reshard")
@@ -189,7 +185,7 @@ def reshard_command(
         if json_out:
             sys.stdout.write(view.reshard_json(result) + "\n")
         else:
-            _print(view.reshard_view(result))
+            print_lines(view.reshard_view(result))
 
 
 def _model_check(loaded, selection: dict):

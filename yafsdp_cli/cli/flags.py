@@ -64,8 +64,7 @@ TrustPickleOpt = Annotated[
     bool,
     typer.Option(
         "--trust-pickle",
-        help="Allow loading a pickled nn.Module (this runs code from the file); its classes "
-        "are imported with the current directory on the import path, as --model's are.",
+        help="Allow loading a pickled nn.Module: this runs code from the file.",
     ),
 ]
 JsonOpt = Annotated[
@@ -117,9 +116,7 @@ TargetOpt = Annotated[
     str | None,
     typer.Option(
         "--target",
-        help="cpu | cuda: whose kernels the figures are for (profile's default: the "
-        "device's). cuda without a GPU needs fake steps: CUDA's attention kernels are "
-        "accounted.",
+        help="cpu | cuda: whose kernels the figures are for (default: the device's).",
     ),
 ]
 CheckpointingOpt = Annotated[
@@ -134,8 +131,8 @@ ParamDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--param-dtype",
-        help="bf16 | fp16 | fp32: train in this dtype; 16-bit gets float32 master "
-        "weights and optimizer states (default: the weights' dtype).",
+        help="bf16 | fp16 | fp32: the training dtype, 16-bit with float32 masters "
+        "(default: as stored, else bf16).",
         metavar="DTYPE",
     ),
 ]
@@ -153,8 +150,8 @@ GpuOpt = Annotated[
     str | None,
     typer.Option(
         "--gpu",
-        help="A GPU of the table (A100-40GB, A100-80GB, H100-SXM, H100-PCIe, H200, B200, "
-        "L40S, MI300X): its figures time each step; sets --gpu-memory unless given.",
+        help="A100-40GB | A100-80GB | H100-SXM | H100-PCIe | H200 | B200 | L40S | MI300X: "
+        "times each step; sets --gpu-memory.",
         metavar="NAME",
     ),
 ]
@@ -171,9 +168,8 @@ LoraOpt = Annotated[
     str | None,
     typer.Option(
         "--lora",
-        help="Fine-tuning: add peft's LoRA adapter (r=16,alpha=32,targets=q_proj,v_proj; "
-        "targets=all-linear too); only the adapter trains, the base keeps its stored "
-        "dtype. Needs the peft extra.",
+        help="Fine-tuning: only peft's LoRA adapter trains, e.g. "
+        "r=16,alpha=32,targets=q_proj,v_proj or all-linear (the peft extra).",
         metavar="r=N,alpha=A,targets=M,M",
     ),
 ]
@@ -181,9 +177,8 @@ QuantizeOpt = Annotated[
     str | None,
     typer.Option(
         "--quantize",
-        help="Fine-tuning: the frozen linear layers (a LoRA base) quantized as bitsandbytes "
-        "packs them: nf4 | nf4-dq | fp4 | fp4-dq | int8 (-dq: nested quantization). "
-        "Estimated in fake steps: its kernels are stood in for.",
+        help="Fine-tuning: nf4 | nf4-dq | fp4 | fp4-dq | int8: the frozen linear layers "
+        "as bitsandbytes packs them (estimated).",
         metavar="KIND",
     ),
 ]
@@ -201,8 +196,7 @@ ReserveOpt = Annotated[
     str | None,
     typer.Option(
         "--reserve",
-        help="Held beside the caching allocator per GPU, all parts in one size (replaces "
-        "the itemised parts; default: itemised, see --outside).",
+        help="Held beside the allocator per GPU, in one size (default: the parts of --outside).",
         metavar="SIZE",
     ),
 ]
@@ -210,8 +204,8 @@ OutsideOpt = Annotated[
     str | None,
     typer.Option(
         "--outside",
-        help="Override parts of the memory beside the allocator, e.g. "
-        "context=1GiB,cublas=64MiB,cublaslt=1MiB,nccl=256MiB (default: each part's rule).",
+        help="Parts beside the allocator, e.g. context=1GiB,nccl=256MiB (also cublas, "
+        "cublaslt; default: each part's rule).",
         metavar="PART=SIZE,...",
     ),
 ]
@@ -219,8 +213,7 @@ MarginOpt = Annotated[
     str | None,
     typer.Option(
         "--margin",
-        help="What the best configuration keeps free: a size or a share of --gpu-memory, "
-        "e.g. 2GiB or 5% (default: 3%).",
+        help="Kept free by the best row: a size or a share, e.g. 2GiB or 5% (default: 3%).",
         metavar="SIZE|N%",
     ),
 ]
@@ -228,8 +221,8 @@ AllocConfOpt = Annotated[
     str | None,
     typer.Option(
         "--alloc-conf",
-        help="With --target cuda: the caching allocator's settings for the reserved "
-        "replay, PYTORCH_CUDA_ALLOC_CONF syntax (default: that variable).",
+        help="The allocator's settings to replay, as PYTORCH_CUDA_ALLOC_CONF (default: "
+        "that variable).",
     ),
 ]
 RoundBytesOpt = Annotated[
@@ -295,5 +288,11 @@ def render(view, report, fmt: str, **options: Any) -> None:
     elif fmt == "markdown":
         sys.stdout.write(view.to_markdown(report, **options))
     else:
-        for renderable in view.to_rich(report, **options):
-            stdout.print(renderable)
+        print_lines(view.to_rich(report, **options))
+
+
+def print_lines(renderables) -> None:
+    """Each renderable on stdout; a ``no_wrap`` line (one holding a path) is left for
+    the terminal to wrap, so the path is never folded mid-name."""
+    for renderable in renderables:
+        stdout.print(renderable, soft_wrap=getattr(renderable, "no_wrap", None) is True)

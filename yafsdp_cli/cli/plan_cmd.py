@@ -49,8 +49,7 @@ def plan_command(
         str | None,
         typer.Option(
             "--world-size",
-            help="World sizes, e.g. 8,16,32 (default: 1,2,4,...,512 up to the first where "
-            "everything fits).",
+            help="World sizes, e.g. 8,16,32 (default: 1,2,4,... up to the first that fits).",
             metavar="N,N,...",
         ),
     ] = None,
@@ -79,8 +78,8 @@ def plan_command(
         typer.Option(
             "--jobs",
             "-j",
-            help="Fake runs at once, each in its own process (default: as many as the cores "
-            "and memory allow; 1: all in this process). The plan is the same for any N.",
+            help="Fake runs at once, a process each (default: as the cores and memory "
+            "allow); any N gives the same plan.",
         ),
     ] = None,
     gpu: GpuOpt = None,
@@ -88,8 +87,7 @@ def plan_command(
         str | None,
         typer.Option(
             "--gpu-profile",
-            help="A GPU profile (JSON, yafsdp_cli/schemas/gpu.schema.json; `yafsdp calibrate` "
-            "writes one) in place of --gpu.",
+            help="A GPU profile JSON (`yafsdp calibrate` writes one) in place of --gpu.",
             metavar="FILE",
         ),
     ] = None,
@@ -105,8 +103,8 @@ def plan_command(
         str | None,
         typer.Option(
             "--objective",
-            help="How the best row is chosen among the cells that fit: throughput (default: "
-            "most tokens/s per GPU), gpu-hours (with --tokens) or fewest-gpus.",
+            help="throughput (default) | gpu-hours (with --tokens) | fewest-gpus: what the "
+            "best row wins on.",
             metavar="OBJECTIVE",
         ),
     ] = None,
@@ -137,11 +135,8 @@ def plan_command(
     fmt: FormatOpt = "table",
     html: HtmlOpt = None,
 ) -> None:
-    """Will training fit? Peak per rank for each world size, micro-batch and checkpointing.
-
-    Persistent bytes come from the memory model; activations and temporaries from
-    fake runs of the converted model's training step (FakeTensorMode).
-    """
+    """Will training fit? Memory per rank for each world size, micro-batch and
+    checkpointing, and the fastest configuration that fits (docs/plan.md)."""
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
@@ -150,6 +145,7 @@ def plan_command(
         from ..options import check_reserve, si_echo
         from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size, plan_source
         from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
+        from ..planning.reserved_fit import outside_at
         from ..report import plan_view as view
 
         if not (gpu_memory or gpu or gpu_profile):
@@ -176,6 +172,8 @@ def plan_command(
             margin=None,  # a share of the GPU's memory, known once a named GPU is resolved
             schemes=check_schemes(scheme),
         )
+        if reserve is None and opts.gpu_memory:  # the itemised parts, at their smallest
+            check_reserve(opts.gpu_memory, outside_at(opts, 1).total, reserve_typed=False)
         if margin is not None:
             kept = parse_margin(margin, opts.memory.gpu_memory)
             opts = replace(opts, memory=replace(opts.memory, margin=kept))

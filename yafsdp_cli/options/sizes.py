@@ -78,17 +78,19 @@ def binary(size: int) -> str:
     return f"{size} B"
 
 
-def check_reserve(gpu_memory: int, reserve: int, *, reserve_typed: bool) -> None:
-    """The reserve leaves room on the GPU; the error blames the option the user typed:
-    --reserve when it was given, else --gpu-memory (too small for the default)."""
+def check_reserve(gpu_memory: int, held: int, *, reserve_typed: bool) -> None:
+    """What a rank holds beside the allocator (``held``) leaves room on the GPU; the
+    error blames the option the user typed: --reserve when it was given, else
+    --gpu-memory (too small for the itemised CUDA context and workspaces)."""
     if gpu_memory <= 0:
         raise YafsdpError(f"--gpu-memory must be positive, e.g. 80GiB; got {gpu_memory} bytes")
-    if reserve < gpu_memory:
+    if held < gpu_memory:
         return
-    gpu, held = binary(gpu_memory), binary(reserve)
+    gpu, held_text = binary(gpu_memory), binary(held)
     if reserve_typed:
-        raise YafsdpError(f"--reserve {held} must be below --gpu-memory ({gpu})")
+        raise YafsdpError(f"--reserve {held_text} must be below --gpu-memory ({gpu})")
     raise YafsdpError(
-        f"--gpu-memory {gpu} leaves nothing beside the {held} that --reserve holds by default "
-        "for the CUDA context and NCCL; give one GPU's memory, e.g. 80GiB, or a smaller --reserve"
+        f"--gpu-memory {gpu} leaves nothing beside the {held_text} a rank holds outside "
+        "PyTorch's allocator (CUDA context, cuBLAS workspaces); give one GPU's memory, "
+        "e.g. 80GiB, or set those parts with --outside"
     )

@@ -80,7 +80,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     if setup is not None:
         report = with_timing(report, rows, timer, opts)
     if opts.schemes != ("flat",):
-        schemes = compare_schemes(loaded, opts, runner, lines, _line_for)
+        schemes = compare_schemes(loaded, opts, runner, lines, _line_for, fit)
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))

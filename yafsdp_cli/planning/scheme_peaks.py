@@ -15,6 +15,12 @@ temporaries, from the fake runs the plan already makes (``measure``):
   optimizer steps a ``1/world_size`` partition, so their optimizer phase's
   temporaries are divided by the world size.
 
+Whether a scheme's cell fits is the plan's reserved test: the peak plus the
+fragmentation the caching allocator adds, taken from the flat step's replayed runs
+at that cell (the schemes allocate the same activations and temporaries; only
+their persistent blocks differ), plus what the rank holds beside the allocator, at
+most the GPU's memory; the best configuration keeps the plan's margin free too.
+
 What the flat scheme saves against a scheme is compared at that scheme's best
 configuration (or, where nothing of it fits, at the flat scheme's best): the
 scheme's peak minus the flat peak at the same world size, micro-batch and
@@ -31,10 +37,10 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
-from ..memory.headroom import fits, needed_bytes
 from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
+from .reserved_fit import ReservedFit
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +53,8 @@ class SchemeRow:
     micro_batch: int
     checkpointing: str
     peak_bytes: int
-    needed_bytes: int  # peak + reserve
+    reserved_bytes: int  # peak + the caching allocator's fragmentation
+    needed_bytes: int  # reserved + what the rank holds beside the allocator
     persistent_bytes: int  # parameters, gradients, optimizer states, masters, buffers
     gather_bytes: int
     reduce_bytes: int
@@ -90,23 +97,25 @@ class SchemePlan:
 
 
 def compare_schemes(
-    loaded, opts: PlanOptions, runner: Runner, lines: dict, line_for: Callable
+    loaded, opts: PlanOptions, runner: Runner, lines: dict, line_for: Callable, fit: ReservedFit
 ) -> tuple[SchemePlan, ...]:
-    """Every scheme of ``opts.schemes`` over the grid; ``lines`` and ``line_for`` are
-    the plan's (``fit_grid``), ``runner`` measures the world-size-1 line if needed."""
+    """Every scheme of ``opts.schemes`` over the grid; ``lines``, ``line_for`` and
+    ``fit`` are the plan's (``fit_grid``), ``runner`` measures the world-size-1 line if
+    needed."""
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
     whole = {}
     if any(s in WHOLE_PARAMS for s in opts.schemes):
         for ck in opts.checkpointing:
             whole[ck] = lines.get((ck, 1)) or runner.line(1, ck, opts.micro_batches, None)
-    rows = _RowMaker(opts, _scheme_memory(loaded, opts), lambda ck, ws: line_for(lines, ck, ws))
+    line_at = lambda ck, ws: line_for(lines, ck, ws)  # noqa: E731
+    rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit)
     rows.whole = whole
     grids = {
         s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
                  for mb in opts.micro_batches)
         for s in opts.schemes
     }  # fmt: skip
-    flat_best = _best(grids["flat"]) if "flat" in grids else None
+    flat_best = _best(grids["flat"], opts) if "flat" in grids else None
     return tuple(_scheme_plan(s, grid, grids.get("flat", ()), flat_best, rows, opts)
                  for s, grid in grids.items())  # fmt: skip
 
@@ -114,8 +123,8 @@ def compare_schemes(
 class _RowMaker:
     """``(scheme, world size, micro-batch, checkpointing) -> SchemeRow``."""
 
-    def __init__(self, opts: PlanOptions, memory: Callable, line_at: Callable):
-        self.opts, self.memory, self.line_at = opts, memory, line_at
+    def __init__(self, opts: PlanOptions, memory: Callable, line_at: Callable, fit: ReservedFit):
+        self.opts, self.memory, self.line_at, self.fit = opts, memory, line_at, fit
         self.whole: dict[str, PhaseLine] = {}  # checkpointing -> the world-size-1 line
 
     def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
@@ -126,14 +135,16 @@ class _RowMaker:
         phase, act, temp = _highest_phase(line, mb, 1 if full else ws, partition)
         m = self.memory(scheme, ws, settings or SchemeSettings())
         peak = m.total + act + temp
+        reserved = self.fit.reserved_at((ws, mb, ck), peak, 0) if self.fit.confs else peak
+        needed = reserved + self.fit.outside(ws).total
         return SchemeRow(
-            scheme, ws, mb, ck, peak, needed_bytes(peak, opts.reserve), m.persistent, m.gather,
-            m.reduce, act, temp, phase, fits(peak, opts.reserve, opts.gpu_memory),
+            scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
+            act, temp, phase, needed <= opts.gpu_memory,
         )  # fmt: skip
 
 
 def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> SchemePlan:
-    best = _best(rows)
+    best = _best(rows, opts)
     where = best or flat_best
     key = (where.world_size, where.micro_batch, where.checkpointing) if where else None
     flat = next((r for r in flat_rows if _key(r) == key), None)
@@ -199,9 +210,11 @@ def _scheme_memory(loaded, opts: PlanOptions):
     return memory
 
 
-def _best(rows) -> SchemeRow | None:
-    """As the plan's best: most tokens per rank, then no recomputation, then fewest GPUs."""
-    fitting = [r for r in rows if r.fits]
+def _best(rows, opts: PlanOptions) -> SchemeRow | None:
+    """As the plan's best: of the cells that fit keeping the margin free, most tokens
+    per rank, then no recomputation, then fewest GPUs."""
+    margin = opts.memory.margin_bytes
+    fitting = [r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin]
     if not fitting:
         return None
     return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))

@@ -17,7 +17,7 @@ from ..checkpoint.results import (
     RestoreResult,
     RoundTrip,
 )
-from .formatting import human_bytes, human_count, json_document, rich_table
+from .formatting import human_bytes, human_count, json_document, rich_table, unbroken
 
 if TYPE_CHECKING:  # Rich is imported by the views only: the JSON documents never need it
     from rich.table import Table
@@ -57,7 +57,7 @@ def convert_view(result: ConvertResult) -> list:
     else:
         head = f"[bold red]nothing written:[/] --verify failed; {ck.path} was left as it was"
     lines = [
-        Text.from_markup(head),
+        unbroken(head) if result.written else Text.from_markup(head),
         Text(
             f"{result.converted} parameters ({human_count(result.converted_numel)} elements) "
             f"in {len(ck.buffers)} flat buffers, {len(ck.kept)} tensors kept as they are; "
@@ -78,7 +78,7 @@ def restore_view(result: RestoreResult) -> list:
 
     tied = f", {len(result.tied)} tied names stored once" if result.tied else ""
     return [
-        Text(
+        unbroken(
             f"restored {result.tensors} tensors ({result.names} names{tied}) to "
             f"{result.output.path} ({result.format}, {human_bytes(result.output.nbytes)})"
         ),
@@ -98,7 +98,7 @@ def reshard_view(result: ReshardResult) -> list:
     was = "sharded set" if result.input_sharded else "one file"
     lines = [
         Text(f"resharded {result.input} (world size {result.input_world_size}, {was})"),
-        Text(f"wrote {_where(ck)}"),
+        unbroken(f"wrote {_where(ck)}"),
         buffers_table(ck),
     ]
     if ck.sharded:

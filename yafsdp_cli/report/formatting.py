@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # Rich is imported when a table is made: --json never needs it
     from rich.table import Table
+    from rich.text import Text
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -92,6 +93,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def unbroken(text: str, **style) -> Text:
+    """A line holding a path: Rich would fold a long path mid-name at the console's
+    width, so the terminal wraps this line instead and a copied path still works
+    (``render`` prints ``no_wrap`` lines with soft wrapping)."""
+    from rich.text import Text
+
+    return Text(text, no_wrap=True, **style)
 
 
 def rich_table(

@@ -22,6 +22,7 @@ def side_by_side(report: PlanReport) -> Section:
         rows.append((label, *(_smallest(s.smallest[i], several) for s in schemes)))
     rows.append(("best configuration", *(_where(s.best, several) for s in schemes)))
     rows.append(("peak at best", *(_peak(s.best) for s in schemes)))
+    rows.append(("needed at best", *(_needed(s.best) for s in schemes)))
     rows.append(("flat saves at the peak", *(_saves(s) for s in schemes)))
     return Section(
         title="Schemes side by side: peak per rank of one training step",
@@ -56,6 +57,10 @@ def _peak(row) -> str:
     return f"{human_bytes(row.peak_bytes)} ({row.peak_phase})"
 
 
+def _needed(row) -> str:
+    return "-" if row is None else human_bytes(row.needed_bytes)
+
+
 def _settings(s) -> str:
     if s.no_reshard_peak_bytes is None:
         return s.configuration
@@ -78,8 +83,10 @@ def _caption(report: PlanReport) -> str:
         "gradient buffers + the step's activations and temporaries (fake runs); flat saves: "
         "the scheme's peak minus the flat scheme's at the scheme's best configuration "
         "(the flat scheme's best where nothing of the scheme fits; negative: the flat "
-        "scheme needs more); fits: peak + "
-        f"{human_bytes(report.reserve_bytes)} reserve <= {human_bytes(report.gpu_memory_bytes)}"
+        "scheme needs more); needed: the peak + the caching allocator's fragmentation (the "
+        "flat step's replay at that cell) + what a rank holds beside the allocator; fits: "
+        f"needed <= {human_bytes(report.gpu_memory_bytes)}, the best keeping "
+        f"{human_bytes(report.margin_bytes)} free"
     )
 
 
