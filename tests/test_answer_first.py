@@ -163,3 +163,56 @@ def test_names_stay_distinct_and_numbers_whole_at_any_width(inspected, width):
             assert re.fullmatch(r"\[[\d,]+:[\d,]+\]|", row[1]), row
         else:
             assert row[1] == "" and row[3] == "", row  # a wrapped "holds" cell
+
+
+@pytest.fixture(scope="module")
+def planned():
+    from yafsdp_cli.planning import PlanOptions, plan_model
+
+    loaded = load_source(None, model="sample_models.models:gpt")
+    opts = PlanOptions(
+        gpu_memory=80 * 2**30, world_sizes=(1, 2), micro_batches=(1, 2), seq_len=16, jobs=1
+    )
+    return plan_model(loaded, opts)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_plan_answers_first(planned, width):
+    from yafsdp_cli.report import plan_view
+
+    answer = plan_view.answer(planned)
+    lines = rendered(plan_view.to_rich(planned), width)
+    check_opening(answer, lines, width)
+    fewest = min(s.world_size for s in planned.smallest if s.world_size is not None)
+    assert answer[0].startswith(f"fewest GPUs: {fewest}, at micro-batch ")
+    b = planned.best
+    assert answer[1].startswith(
+        f"recommended: world size {b.world_size}, micro-batch {b.micro_batch}, "
+        f"checkpointing {b.checkpointing}, needed {human_bytes(b.needed_bytes)}"
+    )
+    assert answer[-1].startswith("assumed: 16 tokens per sequence, bfloat16 parameters")
+    # no grid cell is cut short at either width: every cell keeps its verdict
+    assert not any("…" in line for line in lines)
+    assert "more lines on the figures and the method: --explain" in lines[-1]
+    assert not any("fake runs" in line for line in lines)
+    explained = rendered(plan_view.to_rich(planned, explain=True), width)
+    assert any("fake runs" in line for line in explained)
+
+
+def test_plan_four_renderings_agree(planned):
+    from yafsdp_cli.report import plan_view
+
+    table = "\n".join(rendered(plan_view.to_rich(planned), 200))
+    markdown = plan_view.to_markdown(planned)
+    doc = json.loads(plan_view.to_json(planned))
+    page = plan_view.plan_page(planned)
+    assert doc["best"]["needed_bytes"] == planned.best.needed_bytes
+    for r in doc["rows"]:
+        cell = f"{human_bytes(r['needed_bytes'])} {'fits' if r['fits'] else 'OOM'}"
+        for name, text in (("table", table), ("markdown", markdown), ("html", page)):
+            assert cell in text, (name, cell)
+    first = plan_view.answer(planned)[0]
+    assert markdown.splitlines()[0].rstrip() == first
+    assert f'<p class="verdict pass">{first}</p>' in page
+    assert "Peak per rank" not in page and 'id="expand-all"' not in page
+    assert ">1 GPU<" in page and "1 GPUs" not in page

@@ -280,4 +280,4 @@ def test_plan_heatmap_hook_colours_each_cell_by_its_share_of_the_gpu():
         c["peak_bytes"] for c in plan["cells"]
     ]
     assert [c["text"] for c in cells] == ["90.00 GiB", "70.00 GiB", "60.00 GiB", "20.00 GiB"]
-    assert [e["text"] for e in dom.find("th", class_="r")] == ["8 ranks", "64 ranks"]
+    assert [e["text"] for e in dom.find("th", class_="r")] == ["8 GPUs", "64 GPUs"]

@@ -70,6 +70,12 @@ TrustPickleOpt = Annotated[
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")
 ]
+ExplainOpt = Annotated[
+    bool,
+    typer.Option(
+        "--explain", "-v", help="Also print how each figure was found (JSON always has it)."
+    ),
+]
 ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 SourceArg = Annotated[
     str | None,

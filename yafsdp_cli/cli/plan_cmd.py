@@ -12,6 +12,7 @@ from .flags import (
     AlignOpt,
     AllocConfOpt,
     ExcludeOpt,
+    ExplainOpt,
     FilterOpt,
     FormatOpt,
     FreezeOpt,
@@ -134,6 +135,7 @@ def plan_command(
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
     html: HtmlOpt = None,
+    explain: ExplainOpt = False,
 ) -> None:
     """Will training fit? Memory per rank for each world size, micro-batch and
     checkpointing, and the fastest configuration that fits (docs/plan.md)."""
@@ -187,4 +189,4 @@ def plan_command(
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:
             write_html(html, view.plan_page(report))
-        render(view, report, fmt)
+        render(view, report, fmt, explain=explain)

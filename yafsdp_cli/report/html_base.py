@@ -143,12 +143,16 @@ def notes_html(title: str, lines: Sequence[str]) -> str:
 def page(title: str, subtitle: str, nav: Sequence[tuple[str, str]], body: str) -> str:
     """The whole document: ``nav`` is (anchor, label) pairs of the page's sections."""
     links = "".join(f'<a href="#{esc(a)}">{esc(label)}</a>' for a, label in nav)
+    # the button opens and closes <details>: only a page that has some shows it
+    button = (
+        '<button type="button" id="expand-all">expand all</button>' if "<details" in body else ""
+    )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
         f"{DEFS}<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p><nav>{links}"
-        '<button type="button" id="expand-all">expand all</button></nav></header>'
+        f"{button}</nav></header>"
         f'<main>{body}</main><div id="tip" hidden></div>'
         "<footer>made by yafsdp &middot; one self-contained file: no network, "
         "no scripts from elsewhere &middot; GiB = 1024<sup>3</sup> bytes</footer>"
@@ -278,7 +282,7 @@ for(const b of document.querySelectorAll('button.rescale')){  // one scale <-> e
     const w=scale?1000*Number(e.dataset.bytes)/scale:0;
     e.setAttribute('x',at);e.setAttribute('width',w);at+=w;}}});}
 const btn=document.getElementById('expand-all');
-btn.addEventListener('click',()=>{const all=document.querySelectorAll('details');
+if(btn)btn.addEventListener('click',()=>{const all=document.querySelectorAll('details');
  const open=btn.textContent==='expand all';for(const d of all)d.open=open;
  btn.textContent=open?'collapse all':'expand all';});
 })();

@@ -135,10 +135,13 @@ def plan_heatmap(plan: Mapping) -> str:
 
         {"gpu_memory_bytes": 85899345920,
          "cells": [{"world_size": 8, "micro_batch": 1, "checkpointing": "none",
-                    "peak_bytes": 64424509440}, ...]}
+                    "peak_bytes": 64424509440, "verdict": "fits"}, ...]}
 
     Rows are world sizes, columns (micro-batch, checkpointing) choices; a cell is
-    the peak per rank, green below 80% of the GPU, amber up to 100%, red above.
+    what the GPU must hold per rank. With a ``verdict`` (the plan's: fits, tight =
+    fits inside the margin, fits* = fits under another allocator setting, OOM) the
+    cell shows it as the terminal does and is coloured by it; without, green below
+    80% of the GPU, amber up to 100%, red above.
     """
     limit = int(plan["gpu_memory_bytes"])
     cells = list(plan["cells"])
@@ -149,13 +152,33 @@ def plan_heatmap(plan: Mapping) -> str:
     body = []
     for ws in rows:
         tds = "".join(_heat_cell(at.get((ws, mb, ck)), limit) for mb, ck in cols)
-        body.append(f'<tr><th class="r">{ws} ranks</th>{tds}</tr>')
+        body.append(f'<tr><th class="r">{ws} GPU{"" if ws == 1 else "s"}</th>{tds}</tr>')
+    verdicts = any("verdict" in c for c in cells)
+    legend = "".join(
+        f'<span><i style="background:{HEAT[k]}"></i>{esc(text)}</span>'
+        for k, text in (LEGEND_VERDICT if verdicts else LEGEND_SHARE)
+    )
     return (
-        f'<section id="plan"><h2>Will it fit? Peak per rank against '
+        f'<section id="plan"><h2>Will it fit? Needed per rank against '
         f"{esc(human_bytes(limit))} of GPU memory</h2>"
         f'<table class="heat"><thead><tr><th></th>{head}</tr></thead>'
-        f"<tbody>{''.join(body)}</tbody></table></section>"
+        f"<tbody>{''.join(body)}</tbody></table>"
+        f'<div class="legend" style="margin-left:0">{legend}</div></section>'
     )
+
+
+HEAT = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}
+VERDICT_CLASS = {"fits": "fits", "tight": "tight", "fits*": "tight", "OOM": "over"}
+LEGEND_VERDICT = (
+    ("fits", "fits, keeping the margin free"),
+    ("tight", "tight: fits inside the margin, or fits* under another allocator setting"),
+    ("over", "OOM: above the GPU's memory"),
+)
+LEGEND_SHARE = (
+    ("fits", "below 80% of the GPU"),
+    ("tight", "80% to 100%"),
+    ("over", "above the GPU's memory"),
+)
 
 
 def _heat_cell(cell, limit: int) -> str:
@@ -163,12 +186,16 @@ def _heat_cell(cell, limit: int) -> str:
         return '<td class="cell">-</td>'
     peak = int(cell["peak_bytes"])
     ratio = peak / limit if limit else math.inf
-    fits = "fits" if ratio <= 0.8 else "tight" if ratio <= 1.0 else "over"
-    bg = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}[fits]
+    verdict = cell.get("verdict")
+    if verdict is None:
+        fits = "fits" if ratio <= 0.8 else "tight" if ratio <= 1.0 else "over"
+        text = human_bytes(peak)
+    else:
+        fits, text = VERDICT_CLASS[verdict], f"{human_bytes(peak)} {verdict}"
     tip = f"{num(peak)} B, {100 * ratio:.1f}% of the GPU" + (
         f"; {cell['tip']}" if cell.get("tip") else ""
     )
     return (
-        f'<td class="cell {fits}" style="background:{bg}" data-bytes="{peak}" '
-        f'title="{esc(tip)}">{esc(human_bytes(peak))}</td>'
+        f'<td class="cell {fits}" style="background:{HEAT[fits]}" data-bytes="{peak}" '
+        f'title="{esc(tip)}">{esc(text)}</td>'
     )

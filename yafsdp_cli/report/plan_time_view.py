@@ -7,29 +7,40 @@ from ..planning import PlanReport, PlanRow
 from ..planning.cell_time import ranked_rows
 from .formatting import Section, human_bytes
 
+# two-line headers: the columns stay as narrow as their figures at 80 columns
 HEADERS = (
-    "world size",
-    "micro-batch",
-    "checkpointing",
-    "peak + reserve",
+    "GPUs",
+    "micro-\nbatch",
+    "check-\npointing",
+    "needed",
     "step",
-    "tokens/s per GPU",
+    "tokens/s\nper GPU",
     "MFU",
-    "exposed comm",
+    "exposed\ncomm",
 )
+CHECKPOINTING = 2
 
 
 def time_section(report: PlanReport) -> Section | None:
-    """None where the plan names no GPU."""
+    """None where the plan names no GPU. Where every listed cell checkpoints alike,
+    the title names it in place of a column."""
     t = report.timing
     if t is None:
         return None
     rows = ranked_rows(report.rows, t.objective)
+    title = f"How fast? The cells that fit on {t.gpu}, best first by {t.objective}"
+    cells = [_cells(r) for r in rows]
+    headers = HEADERS
+    if len({r.checkpointing for r in rows}) == 1:
+        title += f", checkpointing {rows[0].checkpointing}"
+        headers = HEADERS[:CHECKPOINTING] + HEADERS[CHECKPOINTING + 1 :]
+        cells = [c[:CHECKPOINTING] + c[CHECKPOINTING + 1 :] for c in cells]
+    figures = range(len(headers))
     return Section(
-        title=f"How fast? The cells that fit on {t.gpu}, best first by {t.objective}",
-        headers=HEADERS,
-        rows=tuple(_cells(r) for r in rows),
-        right=(0, 1, 3, 4, 5, 6, 7),
+        title=title,
+        headers=headers,
+        rows=tuple(cells),
+        right=tuple(i for i in figures if headers[i] != HEADERS[CHECKPOINTING]),
         caption="" if rows else "nothing in the grid fits",
     )
 

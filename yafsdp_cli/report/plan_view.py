@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from ..planning import SCHEMA, PlanReport, PlanRow
 from . import scheme_view
-from .formatting import human_bytes, json_document, markdown_table, plain
-from .plan_time_view import best_line, time_section
+from .formatting import (
+    AnswerText,
+    answer_markdown,
+    human_bytes,
+    json_document,
+    markdown_table,
+    plain,
+)
+from .plan_time_view import best_line, seconds, time_section
 
 MARK = {True: "fits", False: "OOM"}
 ADVISED = "fits*"  # fits only under another allocator setting (the legend names it)
@@ -32,8 +39,8 @@ def _row_json(row: PlanRow) -> dict:
 
 
 def heatmap_data(report: PlanReport) -> dict:
-    """What ``html_charts.plan_heatmap`` takes: cells coloured by what the GPU must
-    hold (reserved peak + the memory beside the allocator), each with its figures."""
+    """What ``html_charts.plan_heatmap`` takes: each cell's needed bytes (reserved
+    peak + the memory beside the allocator), its verdict and its figures."""
     return {
         "gpu_memory_bytes": report.gpu_memory_bytes,
         "cells": [
@@ -41,12 +48,29 @@ def heatmap_data(report: PlanReport) -> dict:
                 "world_size": r.world_size,
                 "micro_batch": r.micro_batch,
                 "checkpointing": r.checkpointing,
-                "peak_bytes": r.needed_bytes,
+                "peak_bytes": _shown(r)[0],
+                "verdict": _verdict(r, report),
                 "tip": _figures(r),
             }
             for r in report.rows
         ],
     }
+
+
+def _shown(row: PlanRow) -> tuple[int, str]:
+    """What a cell shows: its needed bytes (under the setting it fits with, if any)
+    and the terminal's verdict word."""
+    if row.fits_with is not None:
+        return row.fits_with.needed_bytes, ADVISED
+    return row.needed_bytes, MARK[row.fits]
+
+
+def _verdict(row: PlanRow, report: PlanReport) -> str:
+    """The cell's verdict for the page: "tight" where it fits inside the margin."""
+    needed, word = _shown(row)
+    if word == MARK[True] and report.gpu_memory_bytes - needed < report.margin_bytes:
+        return "tight"
+    return word
 
 
 def _figures(r: PlanRow) -> str:
@@ -71,7 +95,8 @@ def _figures(r: PlanRow) -> str:
 def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[str]]]:
     """One checkpointing choice: rows = world sizes, columns = micro-batches."""
     at = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
-    headers = ["world size", *(f"micro-batch {mb}" for mb in report.micro_batches)]
+    # "GPUs", the world size: a narrow first column leaves 80 columns room for four cells
+    headers = ["GPUs", *(f"micro-batch {mb}" for mb in report.micro_batches)]
     body = [
         [str(ws), *(_cell(at.get((ws, mb, checkpointing))) for mb in report.micro_batches)]
         for ws in report.world_sizes
@@ -83,9 +108,71 @@ def _cell(row: PlanRow | None) -> str:
     """What the GPU must hold, and the verdict (``cells`` has every figure)."""
     if row is None:
         return "-"
-    if row.fits_with is not None:  # what it needs under the setting it fits with
-        return f"{human_bytes(row.fits_with.needed_bytes)} {ADVISED}"
-    return f"{human_bytes(row.needed_bytes)} {MARK[row.fits]}"
+    needed, word = _shown(row)
+    return f"{human_bytes(needed)} {word}"
+
+
+def answer(report: PlanReport) -> list[str]:
+    """The plan's answer in at most four lines, before any table: the fewest GPUs
+    that fit, the recommended configuration with its headroom and why, a better one
+    under another allocator setting, and what was assumed."""
+    lines = [_fewest(report), _recommended(report)]
+    if report.advice is not None:
+        a = report.advice.row
+        lines.append(
+            f"with {report.advice.export}: world size {a.world_size}, micro-batch "
+            f"{a.micro_batch}, checkpointing {a.checkpointing} fits too (needed "
+            f"{human_bytes(a.fits_with.needed_bytes)})"
+        )
+    alloc = report.alloc_conf or "none (--target cpu)"
+    lines.append(
+        f"assumed: {report.seq_len} tokens per sequence, {report.param_dtype} parameters "
+        f"(--param-dtype), {report.optimizer}, allocator settings {alloc}, flat scheme"
+    )
+    return lines
+
+
+def _fewest(report: PlanReport) -> str:
+    fitting = [s for s in report.smallest if s.world_size is not None]
+    if not fitting:
+        low = min(report.rows, key=lambda r: r.needed_bytes, default=None)
+        if low is None:
+            return "nothing planned"
+        return (
+            f"nothing fits on {human_bytes(report.gpu_memory_bytes)} per GPU: at least "
+            f"{human_bytes(low.needed_bytes)} per rank (world size {low.world_size}, "
+            f"micro-batch {low.micro_batch}, checkpointing {low.checkpointing})"
+        )
+    first = min(fitting, key=lambda s: (s.world_size, -s.micro_batch, s.checkpointing != "none"))
+    return (
+        f"fewest GPUs: {first.world_size}, at micro-batch {first.micro_batch} with "
+        f"checkpointing {first.checkpointing}"
+    )
+
+
+def _recommended(report: PlanReport) -> str:
+    b, gpu = report.best, report.gpu_memory_bytes
+    margin = human_bytes(report.margin_bytes)
+    if b is None:
+        return f"recommended: none, nothing in the grid keeps the margin of {margin} free"
+    needed = b.fits_with.needed_bytes if b.fits_with is not None else b.needed_bytes
+    head = (
+        f"recommended: world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
+        f"{b.checkpointing}, needed {human_bytes(needed)} of {human_bytes(gpu)} "
+        f"({human_bytes(gpu - needed)} free)"
+    )
+    t = report.timing
+    if t is None or b.time is None:
+        return f"{head}: the most tokens per rank keeping {margin} free (--gpu NAME ranks by speed)"
+    why = {
+        "throughput": "the most tokens/s per GPU, to within 1%, on the fewest GPUs",
+        "gpu-hours": "the fewest GPU-hours, to within 1%, on the most GPUs",
+        "fewest-gpus": "the fewest GPUs, then the most tokens/s per GPU",
+    }[t.objective]
+    return (
+        f"{head}: {b.time.tokens_per_s:,.0f} tokens/s per GPU, {seconds(b.time.step_s)} "
+        f"a step on {t.gpu}, MFU {b.time.mfu:.1%}; {why}"
+    )
 
 
 def summary_lines(report: PlanReport) -> list[str]:
@@ -132,8 +219,8 @@ def _breakdown(b: PlanRow, report: PlanReport) -> str:
     )
 
 
-def to_markdown(report: PlanReport) -> str:
-    parts = []
+def to_markdown(report: PlanReport, *, explain: bool = False) -> str:
+    parts = [answer_markdown(answer(report))]
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         parts += [f"**checkpointing {ck}**", "", markdown_table(headers, body), ""]
@@ -142,9 +229,18 @@ def to_markdown(report: PlanReport) -> str:
         parts += [f"**{timed.title}**", "", markdown_table(timed.headers, timed.rows), ""]
     parts += scheme_view.to_markdown(report)
     parts += ["**every cell**", "", markdown_table(*cells(report)), ""]
-    parts += [*(f"- {line}" for line in summary_lines(report))]
-    parts += ["", *(f"- {n}" for n in report.notes), ""]
-    return "\n".join(parts)
+    parts += [f"- {line}" for line in _notes(report, explain)]
+    return "\n".join([*parts, ""])
+
+
+def _notes(report: PlanReport, explain: bool) -> list[str]:
+    """Every summary line and method note with ``explain``; else the legend and a
+    pointer to them."""
+    every = [*summary_lines(report), *report.notes]
+    if explain:
+        return every
+    legend = [line for line in summary_lines(report)[1:] if line.startswith(ADVISED)]
+    return [*legend, f"{len(every)} more lines on the figures and the method: --explain"]
 
 
 def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
@@ -178,17 +274,20 @@ def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
     return headers, body
 
 
-def to_rich(report: PlanReport) -> list:
+def to_rich(report: PlanReport, *, explain: bool = False) -> list:
+    """The answer, the tables, and the legend; with ``explain`` every summary line
+    and method note as well (JSON and markdown always carry them)."""
     from rich.table import Table
     from rich.text import Text
 
-    tables = []
+    tables: list = [AnswerText(answer(report))]
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         title = f"Will it fit? needed per rank, checkpointing {ck}"
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(headers):
-            table.add_column(h, justify="right" if i else "left")
+            # Rich narrows wrappable columns first: the cells never wrap, nor get cut
+            table.add_column(h, justify="right" if i else "left", no_wrap=bool(i))
         for row in body:
             # a cell never breaks between its size and its verdict; a header may
             table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
@@ -198,7 +297,7 @@ def to_rich(report: PlanReport) -> list:
         from .formatting import section_table
 
         tables.append(section_table(timed))
-    notes = [*summary_lines(report), *report.notes]
+    notes = _notes(report, explain)
     return [*tables, *scheme_view.to_rich(report), *(Text(f"  {n}") for n in notes)]
 
 
@@ -209,19 +308,27 @@ def _style(cell: str) -> str:
 
 
 def plan_page(report: PlanReport) -> str:
-    from .html_base import page
+    """The answer, the heat map with its legend (a cell's figures on hover), the time
+    table and schemes, then every summary line and note."""
+    from .html_base import esc, page, section_html
     from .html_charts import plan_heatmap
 
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
-    from .html_base import esc, section_html
-
+    first, *rest = answer(report)
+    ok = "pass" if report.best is not None else "fail"
+    summary = (
+        f'<section id="answer"><p class="verdict {ok}">{esc(first)}</p>'
+        f"<ul>{''.join(f'<li>{esc(line)}</li>' for line in rest)}</ul></section>"
+    )
     items = "".join(f"<li>{esc(line)}</li>" for line in (*summary_lines(report), *report.notes))
-    body = plan_heatmap(heatmap_data(report)) + f'<section id="fit"><ul>{items}</ul></section>'
-    nav = [("plan", "will it fit"), ("fit", "figures")]
+    body = summary + plan_heatmap(heatmap_data(report))
+    nav = [("answer", "answer"), ("plan", "will it fit")]
     timed = time_section(report)
     if timed is not None:
         body += f'<section id="time">{section_html(timed)}</section>'
         nav.append(("time", "how fast"))
     body += scheme_view.to_html(report)
+    body += f'<section id="fit"><h2>Figures and method</h2><ul>{items}</ul></section>'
+    nav.append(("fit", "figures and method"))
     return page(title, subtitle, tuple(nav), body)
