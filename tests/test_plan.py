@@ -160,7 +160,7 @@ def test_plan_markdown_and_html(tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    assert "| world size | micro-batch 1 | micro-batch 2 |" in result.stdout
+    assert "| GPUs | micro-batch 1 | micro-batch 2 |" in result.stdout
     assert "non-reentrant left out" in result.stdout  # the MLP has no repeated blocks
     html = page.read_text()
     assert 'id="plan"' in html and "<script src" not in html

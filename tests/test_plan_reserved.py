@@ -198,7 +198,11 @@ def test_plan_markdown_table_and_html_show_each_part(tmp_path):
     assert "needed" in md.stdout and "margin" in md.stdout
     table = runner.invoke(app, args)
     assert table.exit_code == 0, table.output
-    assert "needed per rank" in table.stdout and "best: world size" in table.stdout
+    assert table.stdout.startswith("fewest GPUs: ") and "needed per rank" in table.stdout
+    assert "best: world size" not in table.stdout  # the method lines wait for --explain
+    explained = runner.invoke(app, [*args, "--explain"])
+    assert explained.exit_code == 0, explained.output
+    assert "best: world size" in explained.stdout and "CUDA context" in explained.stdout
 
 
 @pytest.mark.parametrize(

@@ -223,11 +223,15 @@ def test_plan_without_a_gpu_has_no_time():
 def test_plan_markdown_table_and_html_show_the_time_columns(tmp_path):
     page = tmp_path / "plan.html"
     for fmt in ("markdown", "table"):
-        args = [*GPT, "--gpu", "h100-sxm", "--format", fmt, "--html", str(page)]
-        result = runner.invoke(app, args, env={"COLUMNS": "200"})  # headers on one line
+        args = [*GPT, "--gpu", "h100-sxm", "--format", fmt, "--html", str(page), "--explain"]
+        result = runner.invoke(app, args, env={"COLUMNS": "200"})
         assert result.exit_code == 0, result.output
-        for column in ("tokens/s per GPU", "MFU", "exposed comm", "fastest by throughput"):
+        # the table's headers are two lines ("tokens/s" over "per GPU"), markdown's one
+        words = ("tokens/s", "per GPU", "MFU", "exposed", "comm", "fastest by throughput")
+        for column in words:
             assert column in result.output, (fmt, column)
+        reason = next(line for line in result.stdout.splitlines() if line.startswith("recom"))
+        assert "tokens/s per GPU" in reason  # the answer says why
     html = page.read_text()
     assert 'id="time"' in html and "tokens/s per GPU" in html
 

@@ -87,8 +87,8 @@ def json_document(schema: str, payload: dict[str, Any]) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(v: Any) -> str:
-        return str(v).replace("|", "\\|")
+    def cell(v: Any) -> str:  # a two-line header is one line in markdown
+        return str(v).replace("|", "\\|").replace("\n", " ")
 
     lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]

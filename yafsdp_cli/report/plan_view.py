@@ -219,7 +219,9 @@ def _breakdown(b: PlanRow, report: PlanReport) -> str:
     )
 
 
-def to_markdown(report: PlanReport, *, explain: bool = False) -> str:
+def to_markdown(report: PlanReport) -> str:
+    """A document for a pull request or a wiki: the answer, the tables, and every
+    summary line and note (``--explain`` shortens only the terminal's)."""
     parts = [answer_markdown(answer(report))]
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
@@ -229,7 +231,7 @@ def to_markdown(report: PlanReport, *, explain: bool = False) -> str:
         parts += [f"**{timed.title}**", "", markdown_table(timed.headers, timed.rows), ""]
     parts += scheme_view.to_markdown(report)
     parts += ["**every cell**", "", markdown_table(*cells(report)), ""]
-    parts += [f"- {line}" for line in _notes(report, explain)]
+    parts += [f"- {line}" for line in _notes(report, explain=True)]
     return "\n".join([*parts, ""])
 
 
