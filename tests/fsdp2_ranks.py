@@ -158,7 +158,10 @@ def run_job(job: Job) -> Held:
     return measure(model, opt)
 
 
-def worker(rank: int, world: int, tmp: str, jobs: list[Job]) -> None:
+def serve_rank(rank: int, world: int, tmp: str, jobs: list, run) -> None:
+    """One gloo rank of a launch: ``run(job)`` for every job, the results pickled to
+    ``rank{rank}.pkl`` (written under another name first, so a reader never sees half
+    a file), then a barrier so no rank leaves while another still runs."""
     torch.set_num_threads(1)
     tf.logging.set_verbosity_error()  # "loss_type=None ... unrecognized", once per rank
     dist.init_process_group(
@@ -169,13 +172,17 @@ def worker(rank: int, world: int, tmp: str, jobs: list[Job]) -> None:
         timeout=timedelta(minutes=3),
     )
     try:
-        held = [run_job(job) for job in jobs]
+        results = [run(job) for job in jobs]
         part = Path(tmp) / f"rank{rank}.part"
-        part.write_bytes(pickle.dumps(held))
+        part.write_bytes(pickle.dumps(results))
         part.rename(Path(tmp) / f"rank{rank}.pkl")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def worker(rank: int, world: int, tmp: str, jobs: list[Job]) -> None:
+    serve_rank(rank, world, tmp, jobs, run_job)
 
 
 def launch(world: int, jobs: list, tmp: Path, rank_main=worker) -> list[list]:

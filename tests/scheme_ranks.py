@@ -17,19 +17,14 @@ torch and transformers once).
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import transformers as tf
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.fsdp2_ranks import blocks, build
+from tests.fsdp2_ranks import blocks, build, serve_rank
 from yafsdp_cli.profiling.tracker import StorageTracker, op_tensors
 
 
@@ -128,20 +123,4 @@ def run_step(job: StepJob) -> StepPeak:
 
 
 def rank_main(rank: int, world: int, tmp: str, jobs: list[StepJob]) -> None:
-    torch.set_num_threads(1)
-    tf.logging.set_verbosity_error()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=3),
-    )
-    try:
-        peaks = [run_step(job) for job in jobs]
-        part = Path(tmp) / f"rank{rank}.part"
-        part.write_bytes(pickle.dumps(peaks))
-        part.rename(Path(tmp) / f"rank{rank}.pkl")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    serve_rank(rank, world, tmp, jobs, run_step)

@@ -17,17 +17,12 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import transformers as tf
 
-from tests.fsdp2_ranks import build
+from tests.fsdp2_ranks import build, serve_rank
 from tests.scheme_ranks import LocalStorages
 
 
@@ -95,20 +90,4 @@ def rank_main(rank: int, world: int, tmp: str, jobs: list[ZeroJob]) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
-    torch.set_num_threads(1)
-    tf.logging.set_verbosity_error()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=3),
-    )
-    try:
-        peaks = [run_zero_step(job) for job in jobs]
-        part = Path(tmp) / f"rank{rank}.part"
-        part.write_bytes(pickle.dumps(peaks))
-        part.rename(Path(tmp) / f"rank{rank}.pkl")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    serve_rank(rank, world, tmp, jobs, run_zero_step)

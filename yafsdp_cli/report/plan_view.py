@@ -279,6 +279,7 @@ def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
 def to_rich(report: PlanReport, *, explain: bool = False) -> list:
     """The answer, the tables, and the legend; with ``explain`` every summary line
     and method note as well (JSON and markdown always carry them)."""
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
@@ -286,7 +287,8 @@ def to_rich(report: PlanReport, *, explain: bool = False) -> list:
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
         title = f"Will it fit? needed per rank, checkpointing {ck}"
-        table = Table(title=title, title_justify="left")
+        # no vertical rules: four cells of "1009.81 MiB fits*" still fit in 80 columns
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
         for i, h in enumerate(headers):
             # Rich narrows wrappable columns first: the cells never wrap, nor get cut
             table.add_column(h, justify="right" if i else "left", no_wrap=bool(i))
