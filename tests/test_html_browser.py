@@ -164,3 +164,28 @@ def test_profile_page_renders_both_series(browser, tmp_path):
     assert [p[1] for p in paths] == [doc["original"]["peak_bytes"], doc["converted"]["peak_bytes"]]
     assert all(p[2] > 500 for p in paths)  # drawn across the chart
     browser.screenshot(tmp_path / "profile.png")
+
+
+def test_plan_page_says_what_the_terminal_says(browser, tmp_path):
+    """The page's visible text: the answer first, each cell's needed bytes and the
+    terminal's verdict, the legend, plurals, and no control that does nothing."""
+    page = tmp_path / "plan.html"
+    argv = ["plan", "--model", "sample_models.models:gpt", "--gpu-memory", "900MiB"]
+    argv += ["--world-size", "1,2", "--micro-batch", "1,2", "--seq-len", "16"]
+    result = runner.invoke(app, [*argv, "--html", str(page), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    browser.open(page)
+    shot = tmp_path / "plan.png"
+    browser.screenshot(shot)
+    assert shot.stat().st_size > 10_000  # something was drawn
+    text = browser.js("return document.body.innerText")
+    assert text.index(doc["answer"][0]) < text.index("Will it fit?")  # the answer first
+    for line in doc["answer"][1:]:
+        assert line in text
+    for r in doc["rows"]:
+        assert f"{human_bytes(r['needed_bytes'])} {'fits' if r['fits'] else 'OOM'}" in text
+    assert "fits, keeping the margin free" in text and "OOM: above the GPU's memory" in text
+    assert "1 GPU\t" in text or "1 GPU\n" in text
+    assert "1 GPUs" not in text and "expand all" not in text
+    assert "Peak per rank" not in text and "Needed per rank" in text

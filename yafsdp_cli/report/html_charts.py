@@ -135,13 +135,15 @@ def plan_heatmap(plan: Mapping) -> str:
 
         {"gpu_memory_bytes": 85899345920,
          "cells": [{"world_size": 8, "micro_batch": 1, "checkpointing": "none",
-                    "peak_bytes": 64424509440, "verdict": "fits"}, ...]}
+                    "peak_bytes": 64424509440, "verdict": "fits", "tight": false},
+                   ...]}
 
     Rows are world sizes, columns (micro-batch, checkpointing) choices; a cell is
-    what the GPU must hold per rank. With a ``verdict`` (the plan's: fits, tight =
-    fits inside the margin, fits* = fits under another allocator setting, OOM) the
-    cell shows it as the terminal does and is coloured by it; without, green below
-    80% of the GPU, amber up to 100%, red above.
+    what the GPU must hold per rank. With a ``verdict`` (the plan's: fits, fits* =
+    fits under another allocator setting, OOM; ``tight``: fits inside the margin)
+    the cell shows it as the terminal does and is coloured by it (green, amber for
+    tight and fits*, red); without, green below 80% of the GPU, amber up to 100%,
+    red above.
     """
     limit = int(plan["gpu_memory_bytes"])
     cells = list(plan["cells"])
@@ -168,10 +170,10 @@ def plan_heatmap(plan: Mapping) -> str:
 
 
 HEAT = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}
-VERDICT_CLASS = {"fits": "fits", "tight": "tight", "fits*": "tight", "OOM": "over"}
+VERDICT_CLASS = {"fits": "fits", "fits*": "tight", "OOM": "over"}
 LEGEND_VERDICT = (
     ("fits", "fits, keeping the margin free"),
-    ("tight", "tight: fits inside the margin, or fits* under another allocator setting"),
+    ("tight", "fits inside the margin, or fits* only under another allocator setting"),
     ("over", "OOM: above the GPU's memory"),
 )
 LEGEND_SHARE = (
@@ -191,7 +193,8 @@ def _heat_cell(cell, limit: int) -> str:
         fits = "fits" if ratio <= 0.8 else "tight" if ratio <= 1.0 else "over"
         text = human_bytes(peak)
     else:
-        fits, text = VERDICT_CLASS[verdict], f"{human_bytes(peak)} {verdict}"
+        fits = "tight" if cell.get("tight") else VERDICT_CLASS[verdict]
+        text = f"{human_bytes(peak)} {verdict}"
     tip = f"{num(peak)} B, {100 * ratio:.1f}% of the GPU" + (
         f"; {cell['tip']}" if cell.get("tip") else ""
     )

@@ -20,7 +20,7 @@ ADVISED = "fits*"  # fits only under another allocator setting (the legend names
 
 def to_json(report: PlanReport) -> str:
     """One ``yafsdp.plan/1`` document: every field of the report, in bytes."""
-    payload = plain(report)
+    payload = {"answer": answer(report), **plain(report)}
     # the options as the command line names them: what ``check`` rebuilds them from
     payload["options"] = plain(report.options.flat()) if report.options else None
     payload["rows"] = [_row_json(r) for r in report.rows]
@@ -49,7 +49,8 @@ def heatmap_data(report: PlanReport) -> dict:
                 "micro_batch": r.micro_batch,
                 "checkpointing": r.checkpointing,
                 "peak_bytes": _shown(r)[0],
-                "verdict": _verdict(r, report),
+                "verdict": _shown(r)[1],
+                "tight": _tight(r, report),
                 "tip": _figures(r),
             }
             for r in report.rows
@@ -65,12 +66,10 @@ def _shown(row: PlanRow) -> tuple[int, str]:
     return row.needed_bytes, MARK[row.fits]
 
 
-def _verdict(row: PlanRow, report: PlanReport) -> str:
-    """The cell's verdict for the page: "tight" where it fits inside the margin."""
+def _tight(row: PlanRow, report: PlanReport) -> bool:
+    """Fits, but inside the margin the best row keeps free."""
     needed, word = _shown(row)
-    if word == MARK[True] and report.gpu_memory_bytes - needed < report.margin_bytes:
-        return "tight"
-    return word
+    return word == MARK[True] and report.gpu_memory_bytes - needed < report.margin_bytes
 
 
 def _figures(r: PlanRow) -> str:
