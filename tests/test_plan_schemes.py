@@ -209,6 +209,11 @@ def test_schemes_fit_as_the_plan_does_with_the_itemised_outside_parts():
             assert r["needed_bytes"] == r["reserved_bytes"] + outside > 0
             assert r["reserved_bytes"] >= r["peak_bytes"]
             if s["scheme"] == "flat":
+                b = s["best"]
+                assert (b["world_size"], b["micro_batch"]) == (
+                    doc["best"]["world_size"],
+                    doc["best"]["micro_batch"],
+                )  # the flat column's best is the plan's
                 own = plan_rows[r["world_size"], r["micro_batch"]]
                 assert (r["reserved_bytes"], r["needed_bytes"]) == (
                     own["reserved_bytes"],

@@ -64,7 +64,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
         for mb in opts.micro_batches
     ]
     if opts.world_sizes is None:
-        rows = _up_to_enough(rows)
+        rows = _up_to_enough(rows, opts)
     setup = timing_setup(opts)
     if setup is not None:
         timer = CellTimer(loaded, opts, seq_len, setup, origin)
@@ -80,7 +80,8 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
     if setup is not None:
         report = with_timing(report, rows, timer, opts)
     if opts.schemes != ("flat",):
-        schemes = compare_schemes(loaded, opts, runner, lines, _line_for, fit)
+        sizes = tuple(dict.fromkeys(r.world_size for r in rows))  # the plan's own grid
+        schemes = compare_schemes(loaded, opts, runner, lines, _line_for, fit, sizes)
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))
@@ -226,10 +227,14 @@ def _reserved_note(c) -> str:
     )
 
 
-def _up_to_enough(rows: list[PlanRow]) -> list[PlanRow]:
-    """Default grid: world sizes up to the first where every configuration fits."""
+def _up_to_enough(rows: list[PlanRow], opts: PlanOptions) -> list[PlanRow]:
+    """Default grid: world sizes up to the first where every configuration fits
+    keeping the margin free (a cell inside the margin is not a candidate for the
+    best row, so a larger world size may still hold the best one)."""
+    margin = opts.memory.margin_bytes
     for ws in sorted({r.world_size for r in rows}):
-        if all(r.fits for r in rows if r.world_size == ws):
+        at = [r for r in rows if r.world_size == ws]
+        if all(r.fits and opts.gpu_memory - r.needed_bytes >= margin for r in at):
             return [r for r in rows if r.world_size <= ws]
     return rows
 

@@ -39,7 +39,7 @@ from ..inspect.build import retype_params
 from ..memory import estimate_memory
 from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
 from .measure import PhaseLine, Runner
-from .plan_options import MAX_WORLD_SIZE, PlanOptions
+from .plan_options import PlanOptions
 from .reserved_fit import ReservedFit
 
 
@@ -97,12 +97,17 @@ class SchemePlan:
 
 
 def compare_schemes(
-    loaded, opts: PlanOptions, runner: Runner, lines: dict, line_for: Callable, fit: ReservedFit
+    loaded,
+    opts: PlanOptions,
+    runner: Runner,
+    lines: dict,
+    line_for: Callable,
+    fit: ReservedFit,
+    sizes: tuple[int, ...],
 ) -> tuple[SchemePlan, ...]:
-    """Every scheme of ``opts.schemes`` over the grid; ``lines``, ``line_for`` and
-    ``fit`` are the plan's (``fit_grid``), ``runner`` measures the world-size-1 line if
-    needed."""
-    sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
+    """Every scheme of ``opts.schemes`` over the plan's grid of world sizes
+    (``sizes``); ``lines``, ``line_for`` and ``fit`` are the plan's (``fit_grid``),
+    ``runner`` measures the world-size-1 line if needed."""
     whole = {}
     if any(s in WHOLE_PARAMS for s in opts.schemes):
         for ck in opts.checkpointing:
