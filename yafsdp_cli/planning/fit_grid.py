@@ -63,14 +63,18 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
         for ck in opts.checkpointing
         for mb in opts.micro_batches
     ]
-    if opts.world_sizes is None:
-        rows = _up_to_enough(rows, opts)
     setup = timing_setup(opts)
     if setup is not None:
         timer = CellTimer(loaded, opts, seq_len, setup, origin)
         rows = timed_rows(timer, rows)
     chooser = best_row if setup is None else _by_objective(opts)
     rows, reserved_checks = settle(rows, fit, lambda key: runner.prefetch([key]), chooser)
+    margin = opts.memory.margin_bytes
+    if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
+        best, advice = _best_and_advice(rows, opts)
+        timed = chooser([r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin])
+        chosen = [r.world_size for r in (best, timed, advice and advice.row) if r is not None]
+        rows = _up_to_enough(rows, opts, at_least=max(chosen, default=1))
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
     report = dataclasses.replace(
         report,
@@ -227,12 +231,13 @@ def _reserved_note(c) -> str:
     )
 
 
-def _up_to_enough(rows: list[PlanRow], opts: PlanOptions) -> list[PlanRow]:
+def _up_to_enough(rows: list[PlanRow], opts: PlanOptions, at_least: int = 1) -> list[PlanRow]:
     """Default grid: world sizes up to the first where every configuration fits
     keeping the margin free (a cell inside the margin is not a candidate for the
-    best row, so a larger world size may still hold the best one)."""
+    best row, so a larger world size may still hold the best one), and at least to
+    ``at_least``."""
     margin = opts.memory.margin_bytes
-    for ws in sorted({r.world_size for r in rows}):
+    for ws in sorted({r.world_size for r in rows if r.world_size >= at_least}):
         at = [r for r in rows if r.world_size == ws]
         if all(r.fits and opts.gpu_memory - r.needed_bytes >= margin for r in at):
             return [r for r in rows if r.world_size <= ws]
