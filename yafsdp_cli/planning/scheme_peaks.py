@@ -140,12 +140,23 @@ class _RowMaker:
         phase, act, temp = _highest_phase(line, mb, 1 if full else ws, partition)
         m = self.memory(scheme, ws, settings or SchemeSettings())
         peak = m.total + act + temp
-        reserved = self.fit.reserved_at((ws, mb, ck), peak, 0) if self.fit.confs else peak
+        reserved = peak + self._fragmentation(ws, mb, ck)
         needed = reserved + self.fit.outside(ws).total
         return SchemeRow(
             scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
             act, temp, phase, needed <= opts.gpu_memory,
         )  # fmt: skip
+
+
+    def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
+        """The caching allocator's reserved minus allocated bytes at the cell, as the
+        flat step's replay there has it: added to every scheme's peak (their steps
+        allocate the same activations and temporaries)."""
+        if not self.fit.confs:
+            return 0
+        _, act, temp = _highest_phase(self.line_at(ck, ws), mb, ws, 1)
+        flat = self.memory("flat", ws, SchemeSettings()).total + act + temp
+        return self.fit.reserved_at((ws, mb, ck), flat, 0) - flat
 
 
 def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> SchemePlan:
