@@ -69,7 +69,18 @@ def test_every_source_in_every_format(kind, fmt):
         jsonschema.validate(json.loads(result.stdout), SCHEMA)
     else:
         assert "memory per rank at world size 4" in result.stdout
-        assert "Notes and assumptions" in result.stdout
+        # the table keeps the method for --explain; markdown always has it
+        head = "Notes and assumptions" if fmt == "markdown" else "Notes"
+        assert head in result.stdout
+
+
+def test_inspect_explain_adds_how_each_scheme_is_modelled():
+    short = invoke(LLAMA, "-n", "8").stdout
+    full = invoke(LLAMA, "-n", "8", "--explain").stdout
+    assert "lines on how each scheme is modelled: --explain" in short
+    method = "zero2 and zero3 are reference estimates"
+    assert method not in " ".join(short.split()) and method in " ".join(full.split())
+    assert "Notes and assumptions" in full
 
 
 def test_table_names_the_largest_unit_and_every_scheme():

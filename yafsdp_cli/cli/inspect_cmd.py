@@ -10,6 +10,7 @@ from .command_kit import check_format, errors_to_exit, stderr
 from .flags import (
     AlignOpt,
     ExcludeOpt,
+    ExplainOpt,
     FilterOpt,
     FormatOpt,
     FreezeOpt,
@@ -66,6 +67,7 @@ def inspect_command(
         typer.Option("--all", help="Show long tables, shard maps and repeated buffers in full."),
     ] = False,
     html: HtmlOpt = None,
+    explain: ExplainOpt = False,
 ) -> None:
     """Flat-buffer layout and per-rank memory report, baseline vs flat."""
     with errors_to_exit():
@@ -83,6 +85,7 @@ def inspect_command(
             from ..report.html import inspect_page
 
             write_html(html, inspect_page(report))
-        render(view, report, fmt, show_all=show_all)
+        shown = {"show_all": show_all, **({"explain": explain} if fmt == "table" else {})}
+        render(view, report, fmt, **shown)
         if fmt == "json" and (warning := view.warning_line(report)):
             stderr.print(warning, markup=False, highlight=False)

@@ -349,17 +349,22 @@ def memory_bars(report: InspectReport):
     return StackedBars(title, tuple(label for _, label in MEMORY_PARTS), rows)
 
 
-def to_rich(report: InspectReport, *, show_all: bool = False) -> list:
+def to_rich(report: InspectReport, *, show_all: bool = False, explain: bool = False) -> list:
     """Rich renderables, in order, for a console to print; the memory table is
-    followed by its bar chart."""
+    followed by its bar chart. The source's notes (what could not be known from it)
+    always follow; how each scheme is modelled only with ``explain`` (JSON and
+    markdown always carry it)."""
     from rich.text import Text
 
     out: list = [answer_text(answer(report))]
     out += [section_table(s, fold_names=not show_all) for s in sections(report, show_all=show_all)]
     out.append(memory_bars(report))
-    text = Text("Notes and assumptions\n", style="bold")
-    for line in notes(report):
+    shown = notes(report) if explain else list(report.notes)
+    text = Text("Notes and assumptions\n" if explain else "Notes\n", style="bold")
+    for line in shown:
         text.append(f"- {line}\n")
+    if not explain and report.assumptions:
+        text.append(f"{len(report.assumptions)} lines on how each scheme is modelled: --explain\n")
     out.append(text)
     return out
 
