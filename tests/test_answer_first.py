@@ -216,3 +216,15 @@ def test_plan_four_renderings_agree(planned):
     assert f'<p class="verdict pass">{first}</p>' in page
     assert "Peak per rank" not in page and 'id="expand-all"' not in page
     assert ">1 GPU<" in page and "1 GPUs" not in page
+
+
+def test_profile_notes_on_the_method_wait_for_explain(profiled):
+    lines = "\n".join(rendered(profile_view.to_rich(profiled), 120))
+    full = "\n".join(rendered(profile_view.to_rich(profiled, explain=True), 120))
+    assert "one warm-up step" not in lines and "one warm-up step" in full
+    assert f"{len(profiled.notes)} more on how the step was run: --explain" in lines
+    caveat = "estimated, not measured: 14 frozen linear layers stood in"
+    assert profile_view.shown_notes([caveat, "how"], explain=False) == [
+        caveat,
+        "1 more on how the step was run: --explain",
+    ]

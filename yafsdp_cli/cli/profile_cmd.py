@@ -14,6 +14,7 @@ from .flags import (
     CheckpointingOpt,
     DeviceOpt,
     ExcludeOpt,
+    ExplainOpt,
     FilterOpt,
     FormatOpt,
     FreezeOpt,
@@ -88,6 +89,7 @@ def profile_command(
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
     html: HtmlOpt = None,
+    explain: ExplainOpt = False,
 ) -> None:
     """Measured peak memory of a training step, original vs converted.
 
@@ -110,4 +112,4 @@ def profile_command(
             from ..report.html import profile_page
 
             write_html(html, profile_page(report))
-        render(view, report, fmt)
+        render(view, report, fmt, **({"explain": explain} if fmt == "table" else {}))

@@ -147,7 +147,6 @@ class _RowMaker:
             act, temp, phase, needed <= opts.gpu_memory,
         )  # fmt: skip
 
-
     def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
         """The caching allocator's reserved minus allocated bytes at the cell, as the
         flat step's replay there has it: added to every scheme's peak (their steps

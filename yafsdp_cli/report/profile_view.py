@@ -306,6 +306,18 @@ def answer(report: ProfileReport) -> list[str]:
     return lines
 
 
+CAVEAT = "estimated, not measured"  # a note about the figures themselves, never hidden
+
+
+def shown_notes(notes, explain: bool) -> list[str]:
+    """Every note with ``explain``; else the caveats on the figures and a pointer."""
+    if explain:
+        return list(notes)
+    kept = [n for n in notes if n.startswith(CAVEAT)]
+    hidden = len(notes) - len(kept)
+    return [*kept, *([f"{hidden} more on how the step was run: --explain"] if hidden else [])]
+
+
 def to_markdown(report: ProfileReport) -> str:
     parts = [answer_markdown(answer(report)), *(section_markdown(s) for s in sections(report))]
     parts += [f"- {n}" for n in report.notes]
@@ -326,9 +338,12 @@ def peak_bars(report: ProfileReport):
     return StackedBars(title, tuple(LABELS[k] for k in CATEGORIES), rows)
 
 
-def to_rich(report: ProfileReport) -> list:
+def to_rich(report: ProfileReport, *, explain: bool = False) -> list:
+    """The answer, the tables and bars, the notes, the verdict again. Notes on how
+    the step was run print with ``explain``; a note that the figures are estimated,
+    not measured, always does (JSON and markdown carry every note)."""
     ok = report.converted_step.peak.total <= report.original.peak.total
-    out = rich_sections(sections(report), report.notes, verdict(report), ok)
+    out = rich_sections(sections(report), shown_notes(report.notes, explain), verdict(report), ok)
     out.insert(2, peak_bars(report))  # under the peak table
     out.insert(0, AnswerText(answer(report)))
     return out
