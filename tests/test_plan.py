@@ -265,15 +265,15 @@ def test_the_default_grid_runs_on_past_cells_inside_the_margin():
     """A world size whose cells all fit but one only inside the margin is not enough:
     that cell cannot be the best row, so the grid goes on to a world size where it
     can (the 70B plan's micro-batch 8 fits at 128 GPUs only inside the margin)."""
-    from types import SimpleNamespace as NS
+    from types import SimpleNamespace as Ns
 
     from yafsdp_cli.planning.fit_grid import _up_to_enough
 
     gib = 2**30
-    opts = NS(gpu_memory=80 * gib, memory=NS(margin_bytes=2 * gib))
+    opts = Ns(gpu_memory=80 * gib, memory=Ns(margin_bytes=2 * gib))
     needed = {(1, 1): 90, (1, 8): 95, (2, 1): 40, (2, 8): 79, (4, 1): 30, (4, 8): 70, (8, 1): 20}
     rows = [
-        NS(world_size=ws, micro_batch=mb, needed_bytes=n * gib, fits=n * gib <= opts.gpu_memory)
+        Ns(world_size=ws, micro_batch=mb, needed_bytes=n * gib, fits=n * gib <= opts.gpu_memory)
         for (ws, mb), n in needed.items()
     ]
     assert sorted({r.world_size for r in _up_to_enough(rows, opts)}) == [1, 2, 4]
