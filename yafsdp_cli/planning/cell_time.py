@@ -47,7 +47,7 @@ from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
 from .plan_options import PlanOptions
 from .plan_report import PlanRow, PlanTiming
-from .pool import Key, Origin, auto_jobs, run_steps
+from .pool import Key, Origin, run_cells
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,17 +162,14 @@ class CellTimer:
         wanted = [k for k in dict.fromkeys(keys) if k not in self.counts]
         if not wanted:
             return
-        jobs = self.opts.jobs
-        if jobs is None:
-            modules = sum(1 for _ in self.loaded.module.modules())
-            jobs = auto_jobs(len(wanted), modules)
-        found = run_steps(
+        found, _ = run_cells(
             wanted,
             lambda key: count_cell(self.loaded, self.opts, self.seq_len, key),
-            jobs=jobs,
+            count_cell,
+            loaded=self.loaded,
+            opts=self.opts,
+            seq_len=self.seq_len,
             origin=self.origin,
-            measure=count_cell,
-            worker_args=(self.opts, self.seq_len),
         )
         self.counts.update(found)
 

@@ -22,7 +22,7 @@ from ..profiling import ProfileOptions
 from ..profiling.profiler import profile_converted
 from .plan_options import PlanOptions
 from .plan_report import LinearityCheck
-from .pool import Key, Origin, auto_jobs, run_steps
+from .pool import Key, Origin, run_cells
 from .reserved_fit import plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
@@ -124,19 +124,16 @@ class Runner:
         wanted = [k for k in dict.fromkeys(keys) if k not in self._peaks]
         if not wanted:
             return
-        jobs = self.opts.jobs
-        if jobs is None:
-            modules = sum(1 for _ in self.loaded.module.modules()) if self.loaded.module else 0
-            jobs = auto_jobs(len(wanted), modules)
-        self.jobs = max(self.jobs, min(jobs, len(wanted)) if self.origin else 1)
-        found = run_steps(
+        found, jobs = run_cells(
             wanted,
             self._measure,
-            jobs=jobs,
+            measure_peaks,
+            loaded=self.loaded,
+            opts=self.opts,
+            seq_len=self.seq_len,
             origin=self.origin,
-            measure=measure_peaks,
-            worker_args=(self.opts, self.seq_len),
         )
+        self.jobs = max(self.jobs, min(jobs, len(wanted)) if self.origin else 1)
         self._peaks.update(found)
 
     @property

@@ -55,6 +55,19 @@ def auto_jobs(runs: int, modules: int) -> int:
     return max(1, min(cores or 1, runs, by_memory))
 
 
+def run_cells(wanted, local, measure, *, loaded, opts, seq_len, origin):
+    """``run_steps`` for a plan's cells: ``--jobs`` processes, or as many as
+    ``auto_jobs`` allows for the model; returns the figures and the job count."""
+    jobs = opts.jobs
+    if jobs is None:
+        modules = sum(1 for _ in loaded.module.modules()) if loaded.module else 0
+        jobs = auto_jobs(len(wanted), modules)
+    found = run_steps(
+        wanted, local, jobs=jobs, origin=origin, measure=measure, worker_args=(opts, seq_len)
+    )
+    return found, jobs
+
+
 def run_steps(
     keys: Sequence[Key],
     local: Callable[[Key], dict[str, int]],
