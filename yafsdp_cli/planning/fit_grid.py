@@ -68,7 +68,7 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
         timer = CellTimer(loaded, opts, seq_len, setup, origin)
         rows = timed_rows(timer, rows)
     chooser = best_row if setup is None else _by_objective(opts)
-    rows, reserved_checks = settle(rows, fit, lambda key: runner.prefetch([key]), chooser)
+    rows, reserved_checks = settle(rows, fit, runner.prefetch, chooser)
     margin = opts.memory.margin_bytes
     if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
         best, advice = _best_and_advice(rows, opts)

@@ -165,20 +165,24 @@ def _peak(figures: dict[str, int]) -> int:
 
 def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):
     """The rows with the best one and the best advised one replayed from their own
-    fake steps (``replay(key)`` makes the run), repeating while a replay changes the
-    choice; and the checks of carried against replayed figures. After each replay
-    every carried row is carried again: the new run is a run at its micro-batch, so
-    the next candidate's figure already counts what the replay found."""
+    fake steps (``replay(keys)`` makes the runs, in parallel where it can), repeating
+    while a replay changes the choice; and the checks of carried against replayed
+    figures. Both candidates of a round are replayed together: on two or more cores
+    the second run costs no wall time. After each round every carried row is carried
+    again: the new runs are runs at their micro-batches, so the next candidates'
+    figures already count what the replays found."""
     checks: list[ReservedCheck] = []
-    for advised in (False, True):
-        while True:
+    while True:
+        wanted = []
+        for index, advised in enumerate((False, True)):
             row = best(_candidates(rows, fit, advised))
-            if row is None or row.reserved_replayed:
-                break
-            replay((row.world_size, row.micro_batch, row.checkpointing))
-            checks.append(_check(row, fit, 1 if advised else 0))
-            rows = [r if r.reserved_replayed else _again(r, fit) for r in rows]
-    return rows, tuple(checks)
+            if row is not None and not row.reserved_replayed:
+                wanted.append((row, index))
+        if not wanted:
+            return rows, tuple(checks)
+        replay([(r.world_size, r.micro_batch, r.checkpointing) for r, _ in wanted])
+        checks += [_check(r, fit, index) for r, index in wanted]
+        rows = [r if r.reserved_replayed else _again(r, fit) for r in rows]
 
 
 def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
