@@ -287,14 +287,16 @@ def options_from(cls, values: dict[str, Any], **parsed: Any):
     return cls(**{**given, **parsed})
 
 
-def render(view, report, fmt: str, **options: Any) -> None:
-    """``report`` through its report module ``view``: JSON, markdown or Rich tables."""
+def render(view, report, fmt: str, *, explain: bool = False, **options: Any) -> None:
+    """``report`` through its report module ``view``: JSON, markdown or Rich tables.
+    ``explain`` (``--explain``) reaches the terminal's tables only: JSON and markdown
+    always carry every note."""
     if fmt == "json":
         sys.stdout.write(view.to_json(report) + "\n")
     elif fmt == "markdown":
         sys.stdout.write(view.to_markdown(report, **options))
     else:
-        print_lines(view.to_rich(report, **options))
+        print_lines(view.to_rich(report, **options, **({"explain": True} if explain else {})))
 
 
 def print_lines(renderables) -> None:

@@ -85,7 +85,6 @@ def inspect_command(
             from ..report.html import inspect_page
 
             write_html(html, inspect_page(report))
-        shown = {"show_all": show_all, **({"explain": explain} if fmt == "table" else {})}
-        render(view, report, fmt, **shown)
+        render(view, report, fmt, show_all=show_all, explain=explain)
         if fmt == "json" and (warning := view.warning_line(report)):
             stderr.print(warning, markup=False, highlight=False)

@@ -189,4 +189,4 @@ def plan_command(
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:
             write_html(html, view.plan_page(report))
-        render(view, report, fmt, **({"explain": explain} if fmt == "table" else {}))
+        render(view, report, fmt, explain=explain)

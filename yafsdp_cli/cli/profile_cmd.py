@@ -112,4 +112,4 @@ def profile_command(
             from ..report.html import profile_page
 
             write_html(html, profile_page(report))
-        render(view, report, fmt, **({"explain": explain} if fmt == "table" else {}))
+        render(view, report, fmt, explain=explain)

@@ -28,6 +28,12 @@ def fits(peak: int, reserve: int, capacity: int) -> bool:
     return headroom(peak, reserve, capacity) >= 0
 
 
+def keeps_margin(needed: int, capacity: int, margin: int) -> bool:
+    """``needed`` fits ``capacity`` with ``margin`` bytes still free: what a
+    recommended configuration must do, beyond fitting."""
+    return capacity - needed >= margin
+
+
 def process_sum(per_rank: int, ranks: int, margin: int) -> int:
     """Host memory of ``ranks`` processes that each hold ``per_rank`` bytes plus
     ``margin`` (allocator slack, tensors read back)."""

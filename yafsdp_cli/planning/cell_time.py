@@ -48,6 +48,7 @@ from ..timing.step_estimate import objective_key, phase_times
 from .plan_options import PlanOptions
 from .plan_report import PlanRow, PlanTiming
 from .pool import Key, Origin, run_cells
+from .reserved_fit import keeping_margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,13 +250,8 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
     objective, and what the cells were timed on."""
     objective = opts.objective or DEFAULT_OBJECTIVE
     # the best row keeps the margin free, as the untimed plan's does
-    margin = opts.memory.margin_bytes
-    kept = [
-        r
-        if r.fits and opts.gpu_memory - r.needed_bytes >= margin
-        else dataclasses.replace(r, fits=False)
-        for r in rows
-    ]
+    candidates = {id(r) for r in keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)}
+    kept = [r if id(r) in candidates else dataclasses.replace(r, fits=False) for r in rows]
     chosen = best_timed(kept, objective, opts.tokens)
     best, gpu_h, wall_h = chosen if chosen else (None, None, None)
     if best is not None:

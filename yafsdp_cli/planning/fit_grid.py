@@ -19,7 +19,7 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
-from ..memory.headroom import fits
+from ..memory.headroom import fits, keeps_margin
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
@@ -27,7 +27,7 @@ from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
-from .reserved_fit import ReservedFit, settle
+from .reserved_fit import ReservedFit, keeping_margin, settle
 from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -69,10 +69,9 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
         rows = timed_rows(timer, rows)
     chooser = best_row if setup is None else _by_objective(opts)
     rows, reserved_checks = settle(rows, fit, runner.prefetch, chooser)
-    margin = opts.memory.margin_bytes
     if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
         best, advice = _best_and_advice(rows, opts)
-        timed = chooser([r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin])
+        timed = chooser(keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes))
         chosen = [r.world_size for r in (best, timed, advice and advice.row) if r is not None]
         rows = _up_to_enough(rows, opts, at_least=max(chosen, default=1))
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
@@ -236,10 +235,9 @@ def _up_to_enough(rows: list[PlanRow], opts: PlanOptions, at_least: int = 1) -> 
     keeping the margin free (a cell inside the margin is not a candidate for the
     best row, so a larger world size may still hold the best one), and at least to
     ``at_least``."""
-    margin = opts.memory.margin_bytes
     for ws in sorted({r.world_size for r in rows if r.world_size >= at_least}):
         at = [r for r in rows if r.world_size == ws]
-        if all(r.fits and opts.gpu_memory - r.needed_bytes >= margin for r in at):
+        if len(keeping_margin(at, opts.gpu_memory, opts.memory.margin_bytes)) == len(at):
             return [r for r in rows if r.world_size <= ws]
     return rows
 
@@ -283,12 +281,13 @@ def _best_and_advice(rows, opts: PlanOptions) -> tuple[PlanRow | None, PlanAdvic
     """The best row that fits keeping the margin free; and, when a row that fits only
     under another allocator setting (keeping the margin) beats it, that advice."""
     margin = opts.memory.margin_bytes
-    best = best_row([r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin])
+    best = best_row(keeping_margin(rows, opts.gpu_memory, margin))
     advised = best_row(
         [
             r
             for r in rows
-            if r.fits_with is not None and opts.gpu_memory - r.fits_with.needed_bytes >= margin
+            if r.fits_with is not None
+            and keeps_margin(r.fits_with.needed_bytes, opts.gpu_memory, margin)
         ]
     )
     if advised is None or (best is not None and _preference(best) <= _preference(advised)):

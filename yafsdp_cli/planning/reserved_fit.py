@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from ..memory.caching_allocator import reserved_of
-from ..memory.headroom import headroom
+from ..memory.headroom import headroom, keeps_margin
 from ..memory.outside_allocator import OutsideAllocator, OutsidePart, outside_memory
 from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
 from ..profiling.gpu_holding import ALLOC_CONF_VAR
@@ -190,12 +190,20 @@ def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
     return dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
 
 
+def keeping_margin(rows, gpu: int, margin: int) -> list:
+    """The rows (``PlanRow`` or ``SchemeRow``) that fit keeping ``margin`` free: the
+    candidates for a best row."""
+    return [r for r in rows if r.fits and keeps_margin(r.needed_bytes, gpu, margin)]
+
+
 def _candidates(rows: list[PlanRow], fit: ReservedFit, advised: bool) -> list[PlanRow]:
     margin = fit.opts.memory.margin_bytes
     if not advised:
-        return [r for r in rows if r.fits and fit.gpu - r.needed_bytes >= margin]
+        return keeping_margin(rows, fit.gpu, margin)
     return [
-        r for r in rows if r.fits_with is not None and fit.gpu - r.fits_with.needed_bytes >= margin
+        r
+        for r in rows
+        if r.fits_with is not None and keeps_margin(r.fits_with.needed_bytes, fit.gpu, margin)
     ]
 
 

@@ -40,7 +40,7 @@ from ..memory import estimate_memory
 from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
-from .reserved_fit import ReservedFit
+from .reserved_fit import ReservedFit, keeping_margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +228,7 @@ def _scheme_memory(loaded, opts: PlanOptions):
 def _best(rows, opts: PlanOptions) -> SchemeRow | None:
     """As the plan's best: of the cells that fit keeping the margin free, most tokens
     per rank, then no recomputation, then fewest GPUs."""
-    margin = opts.memory.margin_bytes
-    fitting = [r for r in rows if r.fits and opts.gpu_memory - r.needed_bytes >= margin]
+    fitting = keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)
     if not fitting:
         return None
     return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))

@@ -63,16 +63,19 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+WHY_BEST = {  # why the best row wins under each --objective
+    "throughput": "the most tokens/s per GPU that fits, to within 1%, on the fewest GPUs",
+    "gpu-hours": "the fewest GPU-hours that fit, to within 1%, on the most GPUs",
+    "fewest-gpus": "the fewest GPUs that fit, then the most tokens/s per GPU",
+}
+
+
 def best_line(report: PlanReport) -> str | None:
     """What the best row's time is and why it is best, in one line."""
     t, b = report.timing, report.best
     if t is None or b is None:
         return None
-    why = {
-        "throughput": "the most tokens/s per GPU that fits, to within 1%, on the fewest GPUs",
-        "gpu-hours": "the fewest GPU-hours that fit, to within 1%, on the most GPUs",
-        "fewest-gpus": "the fewest GPUs that fit, then the most tokens/s per GPU",
-    }[t.objective]
+    why = WHY_BEST[t.objective]
     line = (
         f"fastest by {t.objective} on {t.gpu}: world size {b.world_size}, micro-batch "
         f"{b.micro_batch}, checkpointing {b.checkpointing} ({why}): {seconds(b.time.step_s)} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..memory.headroom import keeps_margin
 from ..planning import SCHEMA, PlanReport, PlanRow
 from . import scheme_view
 from .formatting import (
@@ -12,7 +13,7 @@ from .formatting import (
     markdown_table,
     plain,
 )
-from .plan_time_view import best_line, seconds, time_section
+from .plan_time_view import WHY_BEST, best_line, seconds, time_section
 
 MARK = {True: "fits", False: "OOM"}
 ADVISED = "fits*"  # fits only under another allocator setting (the legend names it)
@@ -69,7 +70,9 @@ def _shown(row: PlanRow) -> tuple[int, str]:
 def _tight(row: PlanRow, report: PlanReport) -> bool:
     """Fits, but inside the margin the best row keeps free."""
     needed, word = _shown(row)
-    return word == MARK[True] and report.gpu_memory_bytes - needed < report.margin_bytes
+    return word == MARK[True] and not keeps_margin(
+        needed, report.gpu_memory_bytes, report.margin_bytes
+    )
 
 
 def _figures(r: PlanRow) -> str:
@@ -163,11 +166,7 @@ def _recommended(report: PlanReport) -> str:
     t = report.timing
     if t is None or b.time is None:
         return f"{head}: the most tokens per rank keeping {margin} free (--gpu NAME ranks by speed)"
-    why = {
-        "throughput": "the most tokens/s per GPU, to within 1%, on the fewest GPUs",
-        "gpu-hours": "the fewest GPU-hours, to within 1%, on the most GPUs",
-        "fewest-gpus": "the fewest GPUs, then the most tokens/s per GPU",
-    }[t.objective]
+    why = WHY_BEST[t.objective]
     return (
         f"{head}: {b.time.tokens_per_s:,.0f} tokens/s per GPU, {seconds(b.time.step_s)} "
         f"a step on {t.gpu}, MFU {b.time.mfu:.1%}; {why}"
