@@ -19,7 +19,7 @@ import torch
 
 from ..engine.flat import FlatModel
 from ..errors import CheckpointError
-from .flat_writer import write_flat
+from .flat_writer import stored_kept, write_flat
 from .optim_state import SEP, OptimState, decode, encode, path_of
 from .reader import FlatCheckpoint, open_flat
 from .writer import check_flat_name, check_output, staged_output
@@ -31,39 +31,66 @@ def flat_adamw(flat: FlatModel, ckpt: str | Path | FlatCheckpoint | None = None,
     """AdamW over ``flat.flat_parameters()``; with ``ckpt`` (converted for this layout:
     ``convert_module(module, open_flat(path).layout)``), its weights and state loaded.
     ``hyper`` are AdamW's keywords; a checkpoint's own hyperparameters win."""
-    _refuse_kept(flat)
+    refuse_kept(flat.kept_parameters())
     opt = torch.optim.AdamW(list(flat.flat_parameters()), **hyper)
     if ckpt is None:
         return opt
-    ckpt = ckpt if isinstance(ckpt, FlatCheckpoint) else open_flat(ckpt)
+    ckpt = opened(ckpt)
     ckpt.verify()
+    pairs = [(b.layout, b.param) for b in flat.buffers]
+    load_adamw(opt, ckpt, pairs, lambda stored: read_buffer(ckpt, stored))
+    load_kept(flat.module, ckpt)
+    return opt
+
+
+def opened(ckpt: str | Path | FlatCheckpoint) -> FlatCheckpoint:
+    return ckpt if isinstance(ckpt, FlatCheckpoint) else open_flat(ckpt)
+
+
+def load_adamw(opt, ckpt: FlatCheckpoint, pairs, read) -> None:
+    """Fill ``opt`` (AdamW over the parameters of ``pairs``: ``(BufferLayout,
+    tensor)``, a whole buffer or a rank's shard) from ``ckpt``: ``read(stored)``
+    gives that tensor's part of a stored buffer (weights, then each state buffer)."""
+    extras = adamw_extras(ckpt)
+    stored = {b.name: b for b in ckpt.all_buffers}
+    for layout, param in pairs:
+        if layout != stored.get(layout.name):
+            raise CheckpointError(
+                f"{layout.name}: the module was converted with another layout than the "
+                f"checkpoint's; convert it with open_flat(...).layout"
+            )
+        with torch.no_grad():
+            param.copy_(read(stored[layout.name]))
+        first = layout.entries[0].name
+        state = {"step": extras[("optimizer", "state", first, "step")].clone()}
+        for field in FIELDS:
+            state[field] = read(stored[f"{layout.name}{SEP}{field}"])
+        opt.state[param] = state
+    group = extras[("optimizer", "param_groups")][0]
+    opt.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+
+
+def adamw_extras(ckpt: FlatCheckpoint) -> dict:
     optim = ckpt.optim
     if optim is None or optim.kind != "adam" or set(optim.dtypes) != set(FIELDS):
         raise CheckpointError(
             f"{ckpt.root}: holds no AdamW state ({optim.kind if optim else 'weights only'})"
         )
-    stored = {b.name: b for b in ckpt.all_buffers}
-    extras = {path_of(p): decode(v) for p, v in optim.extras}
-    for b in flat.buffers:
-        if b.layout != stored.get(b.layout.name):
-            raise CheckpointError(
-                f"{b.layout.name}: the module was converted with another layout than the "
-                f"checkpoint's; convert it with open_flat(...).layout"
-            )
+    return {path_of(p): decode(v) for p, v in optim.extras}
+
+
+def load_kept(module: torch.nn.Module, ckpt: FlatCheckpoint) -> None:
+    """The stored tensors outside the flat buffers (frozen parameters, persistent
+    module buffers) into ``module``, by state-dict name."""
+    state = module.state_dict()
+    for t in stored_kept(ckpt.layout):
         with torch.no_grad():
-            b.param.copy_(_read(ckpt, stored[b.layout.name]))
-        first = b.layout.entries[0].name
-        state = {"step": extras[("optimizer", "state", first, "step")].clone()}
-        for field in FIELDS:
-            state[field] = _read(ckpt, stored[f"{b.layout.name}{SEP}{field}"])
-        opt.state[b.param] = state
-    group = extras[("optimizer", "param_groups")][0]
-    opt.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-    return opt
+            state[t.name].copy_(read_kept(ckpt, t).view(t.shape))
 
 
-def _refuse_kept(flat: FlatModel) -> None:
-    trained = [n for n, p in flat.kept_parameters() if p.requires_grad]
+def refuse_kept(kept) -> None:
+    """AdamW here steps on flat buffers alone: no trained ``(name, parameter)`` outside."""
+    trained = [n for n, p in kept if p.requires_grad]
     if trained:
         raise CheckpointError(
             f"{trained[0]!r} is trained but not in a flat buffer; convert every trained "
@@ -71,35 +98,51 @@ def _refuse_kept(flat: FlatModel) -> None:
         )
 
 
-def _read(ckpt: FlatCheckpoint, b) -> torch.Tensor:
-    """Logical buffer ``b`` of ``ckpt`` (across rank files), as a new tensor."""
+def read_buffer(ckpt: FlatCheckpoint, b, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Elements ``[start, stop)`` of logical buffer ``b`` of ``ckpt`` (across rank
+    files; all of it by default), as a new tensor."""
     from ..engine import dtypes
 
-    data = bytearray(b.nbytes)
+    isz = dtypes.itemsize(b.dtype)
+    stop = b.padded_numel if stop is None else stop
+    chunks = ckpt.read_range(b, start * isz, stop * isz)
+    return _tensor(chunks, (stop - start) * isz, b.dtype)
+
+
+def read_kept(ckpt: FlatCheckpoint, t) -> torch.Tensor:
+    return _tensor(ckpt.kept_bytes(t.name), ckpt.files[0][t.name].nbytes, t.dtype)
+
+
+def _tensor(chunks, nbytes: int, dtype: str) -> torch.Tensor:
+    from ..engine import dtypes
+
+    data = bytearray(nbytes)
     pos = 0
-    for chunk in ckpt.read_range(b, 0, b.nbytes):
+    for chunk in chunks:
         data[pos : pos + len(chunk)] = chunk
         pos += len(chunk)
-    return torch.frombuffer(data, dtype=dtypes.to_torch(b.dtype))
+    return torch.frombuffer(data, dtype=dtypes.to_torch(dtype))
 
 
-def _record(flat: FlatModel, opt: torch.optim.Optimizer) -> OptimState:
+def adamw_record(pairs, opt: torch.optim.Optimizer) -> OptimState:
+    """The optimizer record of ``opt``'s AdamW state for ``pairs`` (``(BufferLayout,
+    tensor)``: each buffer, with the tensor the optimizer steps on for it)."""
     from ..engine import dtypes
 
     extras, paths, found = [], {}, {}
-    for b in flat.buffers:
-        state = opt.state.get(b.param)
+    for layout, param in pairs:
+        state = opt.state.get(param)
         if not state or set(state) != {"step", *FIELDS}:
             raise CheckpointError(
-                f"{b.layout.name}: the optimizer keeps {sorted(state or {})}, not AdamW's "
-                "step, exp_avg and exp_avg_sq; save after the first step of flat_adamw"
+                f"{layout.name}: the optimizer keeps {sorted(state or {})}, not AdamW's "
+                "step, exp_avg and exp_avg_sq; save after the optimizer's first step"
             )
         for f in FIELDS:
-            found.setdefault(f, {})[b.layout.name] = dtypes.from_torch(state[f].dtype)
-        for e in b.layout.entries:
+            found.setdefault(f, {})[layout.name] = dtypes.from_torch(state[f].dtype)
+        for e in layout.entries:
             paths[e.name] = {f: ["optimizer", "state", e.name, f] for f in FIELDS}
             extras.append([["optimizer", "state", e.name, "step"], encode(state["step"])])
-    names = [e.name for b in flat.buffers for e in b.layout.entries]
+    names = [e.name for layout, _ in pairs for e in layout.entries]
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     extras.append([["optimizer", "param_groups"], encode([{**group, "params": names}])])
     return OptimState("adam", "pt", ("model",), found, paths, extras)
@@ -113,24 +156,32 @@ def save_flat_training(
     out = Path(out)
     check_flat_name(out, sharded=sharded)
     check_output(out, inputs=[], force=False, folder=sharded)
-    optim = _record(flat, opt)
-    tensors = {b.layout.name: b.param.detach() for b in flat.buffers}
-    for b in flat.buffers:
-        for f in FIELDS:
-            tensors[f"{b.layout.name}{SEP}{f}"] = opt.state[b.param][f]
+    pairs = [(b.layout, b.param) for b in flat.buffers]
+    optim = adamw_record(pairs, opt)
+    tensors = training_tensors(pairs, opt)
     state = flat.module.state_dict()
     with staged_output(out, folder=sharded) as staged:
         write_flat(
             staged.temp,
             flat.layout,
             sharded=sharded,
-            buffer_bytes=lambda b: [_bytes(tensors[b.name])],
-            kept_bytes=lambda t: [_bytes(state[t.name])],
+            buffer_bytes=lambda b: [tensor_bytes(tensors[b.name])],
+            kept_bytes=lambda t: [tensor_bytes(state[t.name])],
             source="flat_adamw",
             final=out,
             optim=optim,
         )
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def training_tensors(pairs, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Each buffer's tensor and its AdamW state, by stored name (``B``, ``B@FIELD``)."""
+    out = {}
+    for layout, param in pairs:
+        out[layout.name] = param.detach()
+        for f in FIELDS:
+            out[f"{layout.name}{SEP}{f}"] = opt.state[param][f]
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -147,7 +147,7 @@ def write_flat(
         for w in writers:
             w.close()
     if sharded:
-        _write_index(target, layout, writers, meta)
+        write_index(target, layout, [_written(target, w, r) for r, w in enumerate(writers)], meta)
     return _info(final, layout, sharded, writers)
 
 
@@ -226,7 +226,40 @@ def _broadcast(writers, name: str, pieces: Pieces, feed: _Feed) -> None:
         w.end()
 
 
-def _write_index(folder: Path, layout: Layout, writers, meta: dict) -> None:
+def write_rank_file(
+    folder: Path,
+    layout: Layout,
+    rank: int,
+    pieces: Callable[[str], Pieces],
+    meta: dict,
+    optim: OptimState | None = None,
+) -> WrittenFile:
+    """Rank ``rank``'s file of a sharded set, alone (each rank of a running job
+    writes its own): ``pieces(name)`` gives this rank's slice of each buffer and
+    state buffer, and each kept tensor whole; ``meta`` is ``base_metadata``'s."""
+    shards = layout.world_size
+    extra = {KEY_FORMAT: KIND_SHARD, KEY_RANK: str(rank), KEY_SHARDS: str(shards)}
+    slots = file_slots(layout, shards, optim)
+    w = FileWriter(folder / rank_file_name(rank, shards), slots, {**meta, **extra})
+    copier = Copier()
+    try:
+        for slot in w.slots:
+            w.begin(slot.name)
+            for piece in coalesce(pieces(slot.name)):
+                w.put(piece, copier)
+            w.end()
+        w.finish()
+    finally:
+        w.close()
+    return _written(folder, w, rank)
+
+
+def _written(folder: Path, w: FileWriter, rank: int) -> WrittenFile:
+    return WrittenFile(str(folder / w.path.name), rank, w.nbytes, dict(w.checksums))
+
+
+def write_index(folder: Path, layout: Layout, files: list[WrittenFile], meta: dict) -> None:
+    """``yafsdp.index.json`` of a sharded set whose rank files are ``files``."""
     index = {
         "format": INDEX_FORMAT,
         "version": int(meta[KEY_VERSION]),
@@ -236,8 +269,8 @@ def _write_index(folder: Path, layout: Layout, writers, meta: dict) -> None:
         "source": meta[KEY_SOURCE],
         "source_metadata": json.loads(meta[KEY_SOURCE_META]),
         "ranks": [
-            {"rank": r, "file": w.path.name, "nbytes": w.nbytes, "checksums": w.checksums}
-            for r, w in enumerate(writers)
+            {"rank": r, "file": Path(f.path).name, "nbytes": f.nbytes, "checksums": f.checksums}
+            for r, f in enumerate(files)
         ],
         "layout": json.loads(meta[KEY_LAYOUT]),
     }

@@ -112,16 +112,26 @@ class FlatCheckpoint:
         t = self.files[0][name]
         return read_chunks(t.path, t.offset, t.nbytes)
 
-    def verify(self, progress: Progress | None = None, copier: Copier | None = None) -> int:
+    def verify(
+        self,
+        progress: Progress | None = None,
+        copier: Copier | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+    ) -> int:
         """Read every stored tensor: checksum, and zero padding in buffers (holes of
         a sparse file are zeros by definition, so they are not read). Ranges that
         ``copier`` already copied (its ledger has their CRC-32) are not read again.
-        Returns how many tensors were checked; raises ``CheckpointError``."""
+        ``ranks`` limits the check to those rank files (a training rank reads its
+        own file alone). Returns how many tensors were checked; raises
+        ``CheckpointError``."""
         buffers = {b.name: b for b in self.all_buffers}
         copier = copier or Copier()
-        tick = Ticks(progress, self.nbytes)
+        chosen = range(self.shards) if ranks is None else list(ranks)
+        tick = Ticks(progress, sum(t.nbytes for r in chosen for t in self.files[r].values()))
         count = 0
-        for r, tensors in enumerate(self.files):
+        for r in chosen:
+            tensors = self.files[r]
             for t in sorted(tensors.values(), key=lambda t: t.offset):
                 pads = padding(buffers[t.name], r, self.shards) if t.name in buffers else []
                 found = digest_of(t, pads, copier, tick)
