@@ -22,7 +22,9 @@ data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
 safetensors file, staged outputs), ``copy`` (moving bytes by file ranges), ``crc``
 and ``integrity`` (checksums, zero padding), ``dcp_restore``,
 ``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
-(AdamW on a ``FlatModel``'s buffers from and to a checkpoint), and ``results``. It may
+(AdamW on a ``FlatModel``'s buffers from and to a checkpoint), ``sharded_training``
+(the same on each rank of a ``ShardedFlat`` run: its slice, its rank file), and
+``results``. It may
 import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
 ``report`` import it.
 

@@ -14,6 +14,9 @@ more buffer to the writer: routed to the rank files with its parameters' shards.
 Every file has the same tensors in the same data order (``format.data_order``),
 and buffers are streamed in that order, so each file is appended front to back
 while only one file handle is open at a time.
+
+A rank of a running job writes its own file alone (``write_rank_file``: it holds
+only its slices) and rank 0 the index from every rank's checksums (``write_index``).
 """
 
 from __future__ import annotations

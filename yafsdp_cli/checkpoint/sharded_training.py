@@ -94,7 +94,9 @@ def _pairs(sharded: ShardedFlat) -> list:
     return [(b.layout, shard) for b, shard in zip(sharded.flat.buffers, sharded.shards)]
 
 
-def save_sharded_training(sharded: ShardedFlat, opt: torch.optim.Optimizer, out: str | Path):
+def save_sharded_training(
+    sharded: ShardedFlat, opt: torch.optim.Optimizer, out: str | Path
+) -> None:
     """Write this rank's file of the sharded set ``out`` (a new folder); rank 0 also
     writes the index and puts the set in place. Call it on every rank."""
     out, comm = Path(out), sharded.comm

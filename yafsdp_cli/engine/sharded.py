@@ -25,6 +25,8 @@ that own flat buffers, the root for the root unit):
   for the optimizer step by ``before_step()``.
 
 The optimizer steps on ``parameters()``: the shards and the unconverted ones.
+A rank's AdamW over its shards loads its part of a flat checkpoint and saves its
+own rank file through ``checkpoint.sharded_training``.
 
 The collectives come from a ``Comm``: ``DistComm`` (torch.distributed) sums every
 reduction in rank order (an all-to-all, then a left fold) so the result does not
