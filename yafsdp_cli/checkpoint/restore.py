@@ -12,7 +12,8 @@ name, and the metadata maps each dropped name to the stored one, so
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
 ``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
 A checkpoint that carries optimizer state is restored in its source's layout, state
-included (``train_restore.py``); ``weights_only`` gives the weights as above.
+included (``train_restore.py``; ``fmt="trainer"``: a Hugging Face Trainer folder,
+``trainer_restore.py``); ``weights_only`` gives the weights as above.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .results import Progress, RestoreResult, WrittenFile
 from .writer import FileWriter, check_output, staged_output
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
-FORMATS = ("safetensors", "pt", "dcp")
+FORMATS = ("safetensors", "pt", "dcp", "trainer")
 
 
 def state_dict_items(ckpt: FlatCheckpoint) -> list[StateDictItem]:
@@ -61,14 +62,21 @@ def restore_checkpoint(
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
     to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``; with ``fmt="dcp"`` a
-    torch.distributed.checkpoint folder). Every checksum and the zero padding are
-    verified before ``out`` appears: for ``.safetensors`` in the same pass as the copy
-    (the bytes are read once, checksummed and written to the hidden temporary; a
-    mismatch removes it). A checkpoint with optimizer state is written in its
+    torch.distributed.checkpoint folder; with ``fmt="trainer"`` the Trainer folder a
+    checkpoint with Trainer state was converted from). Every checksum and the zero
+    padding are verified before ``out`` appears: for ``.safetensors`` in the same pass
+    as the copy (the bytes are read once, checksummed and written to the hidden
+    temporary; a mismatch removes it). A checkpoint with optimizer state is written in its
     source's own layout (``train_restore.py``) unless ``weights_only``."""
     out = Path(out)
     fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
+    if fmt == "trainer" and (ckpt.optim is None or weights_only):
+        why = "--weights-only asks for the weights alone" if weights_only else "it holds none"
+        raise CheckpointError(
+            f"--format trainer writes a Trainer checkpoint folder with its optimizer state, "
+            f"but {why}; choose --format safetensors, pt or dcp"
+        )
     if ckpt.optim is not None and not weights_only:
         from .train_restore import restore_training
 
@@ -106,7 +114,7 @@ def restore_checkpoint(
 def _format_of(out: Path, fmt: str | None = None) -> str:
     if fmt not in (None, *FORMATS):
         raise CheckpointError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
-    if fmt == "dcp":
+    if fmt in ("dcp", "trainer"):  # folders
         return fmt
     if out.name.endswith(".safetensors"):
         found = "safetensors"

@@ -23,7 +23,7 @@ from .optim_state import SEP, OptimState, decode, path_of
 from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, WrittenFile
 
-FORMS = {"dcp": "dcp", "pt": "pt"}  # record form -> restore --format
+FORMS = {"dcp": "dcp", "pt": "pt", "trainer": "trainer"}  # record form -> restore --format
 
 
 def check_form(optim: OptimState, fmt: str) -> None:
@@ -106,6 +106,10 @@ def restore_training(
 ) -> RestoreResult:
     """Write the training checkpoint ``ckpt`` back in its source's layout at ``out``."""
     check_form(ckpt.optim, fmt)
+    if fmt == "trainer":
+        from .trainer_restore import restore_trainer
+
+        return restore_trainer(ckpt, out, items, force=force, progress=progress)
     tensors = training_items(ckpt, items)
     if fmt == "dcp":
         nbytes, checked = _write_dcp(ckpt, out, tensors, force=force, progress=progress)
