@@ -22,12 +22,12 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from .copy import Copier, coalesce
+from .copy import Copier
 from .flat_writer import stored_kept
-from .format import YAFSDP_KEYS, TensorSlot, data_order
+from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat
 from .results import Progress, RestoreResult, WrittenFile
-from .writer import FileWriter, check_output, staged_output
+from .writer import check_output, staged_output, write_safetensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
 FORMATS = ("safetensors", "pt", "dcp", "trainer")
@@ -78,9 +78,13 @@ def restore_checkpoint(
             f"but {why}; choose --format safetensors, pt or dcp"
         )
     if ckpt.optim is not None and not weights_only:
+        items = state_dict_items(ckpt)
+        if fmt == "trainer" and ckpt.optim.form == "trainer":
+            from .trainer_restore import restore_trainer
+
+            return restore_trainer(ckpt, out, items, force=force, progress=progress)
         from .train_restore import restore_training
 
-        items = state_dict_items(ckpt)
         return restore_training(ckpt, out, fmt, items, force=force, progress=progress)
     if fmt == "dcp":
         from .dcp_restore import restore_dcp
@@ -95,7 +99,7 @@ def restore_checkpoint(
             checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
         else:
-            _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
+            write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
             checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
     return RestoreResult(
@@ -138,29 +142,6 @@ def _metadata(ckpt: FlatCheckpoint, tied: dict[str, str]) -> dict[str, str]:
         k: v for k, v in ckpt.source_metadata.items() if k not in names and k not in YAFSDP_KEYS
     }
     return {**meta, **tied, "format": "pt"}
-
-
-def _write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> None:
-    by_name = {it.slot.name: it for it in items}
-    slots = data_order([it.slot for it in items])
-    total, done = sum(s.nbytes for s in slots), 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress("writing", done, total)
-
-    writer = FileWriter(path, slots, metadata, checksums=False)
-    try:
-        for slot in slots:
-            writer.begin(slot.name)
-            for piece in coalesce(by_name[slot.name].ranges()):
-                writer.put(piece, copier, tick)
-            writer.end()
-        writer.finish()
-    finally:
-        writer.close()
 
 
 def _write_pt(path: Path, items, progress) -> None:

@@ -106,10 +106,6 @@ def restore_training(
 ) -> RestoreResult:
     """Write the training checkpoint ``ckpt`` back in its source's layout at ``out``."""
     check_form(ckpt.optim, fmt)
-    if fmt == "trainer":
-        from .trainer_restore import restore_trainer
-
-        return restore_trainer(ckpt, out, items, force=force, progress=progress)
     tensors = training_items(ckpt, items)
     if fmt == "dcp":
         nbytes, checked = _write_dcp(ckpt, out, tensors, force=force, progress=progress)

@@ -23,7 +23,7 @@ from .optim_state import file_bytes
 from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, WrittenFile
 from .train_restore import extras_of, nest, training_items
-from .writer import staged_output
+from .writer import staged_output, write_safetensors
 
 OPTIMIZER_FILE = "optimizer.pt"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -108,13 +108,11 @@ def _stored_items(items: list[StateDictItem], stored: list[str]) -> list[StateDi
 def _write_weights(ckpt: FlatCheckpoint, path: Path, items, progress, copier: Copier) -> None:
     """One safetensors file with the source's metadata and no tie records: the
     Trainer's file stored each tied tensor once and recorded nothing else."""
-    from .restore import _write_safetensors
-
     names = {n for it in items for n in (it.slot.name, *it.aliases)}
     meta = {
         k: v for k, v in ckpt.source_metadata.items() if k not in names and k not in YAFSDP_KEYS
     }
-    _write_safetensors(path, items, meta, progress, copier)
+    write_safetensors(path, items, meta, progress, copier)
 
 
 def _write_optimizer(ckpt: FlatCheckpoint, items: list, path: Path) -> None:

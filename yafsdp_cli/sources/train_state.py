@@ -68,9 +68,7 @@ def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     reader = loaded.reader
     folder = loaded.path if loaded.path is not None and loaded.path.is_dir() else None
     if folder is not None and (folder / "optimizer.pt").is_file():
-        from .trainer_folder import read_trainer_folder
-
-        return read_trainer_folder(loaded)
+        return _from_trainer(loaded)
     if isinstance(reader, DcpReader):
         return _from_dcp(reader, loaded.spec.source)
     if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
@@ -197,6 +195,22 @@ def _from_torch(loaded: LoadedModel) -> TrainingState | None:
     extras += [((k,), v) for k, v in obj.items() if k not in (opt_key, model_key)]
     reader = TensorDictReader(found) if found else None
     return TrainingState("pt", (model_key,), tuple(tensors), scalars, tuple(extras), reader, where)
+
+
+def _from_trainer(loaded: LoadedModel) -> TrainingState:
+    """A Trainer folder (``trainer_folder.py``): ``optimizer.pt`` under key path
+    ``("optimizer.pt",)``, the weights files' names and the other files' bytes."""
+    from .torch_file import TensorDictReader
+    from .trainer_folder import OPTIMIZER_FILE, read_trainer_folder
+
+    where = str(loaded.path)
+    got = read_trainer_folder(loaded)
+    tensors, scalars, extras, found = optimizer_entries(
+        got.osd, got.names, (OPTIMIZER_FILE,), where
+    )
+    reader = TensorDictReader(found) if found else None
+    state = (tuple(tensors), scalars, tuple(extras), reader, where, got.files, got.weights)
+    return TrainingState("trainer", (), *state)
 
 
 def optimizer_entries(osd: dict, names: dict[int, str], prefix: tuple, where: str):

@@ -21,12 +21,12 @@ file repeats, so their total is bounded (``MAX_FILES_BYTES``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
 from .loaded import LoadedModel
 from .safetensors_file import SafetensorsReader
-from .train_state import TrainingState, optimizer_entries
 
 OPTIMIZER_FILE = "optimizer.pt"
 # A Trainer folder's other files are KBs (scheduler, RNG states, arguments) up to a
@@ -35,20 +35,24 @@ OPTIMIZER_FILE = "optimizer.pt"
 MAX_FILES_BYTES = 16 << 20
 
 
-def read_trainer_folder(loaded: LoadedModel) -> TrainingState:
+@dataclass(frozen=True)
+class TrainerFolder:
+    osd: dict  # optimizer.pt's optimizer.state_dict()
+    names: dict[int, str]  # its parameter numbers -> parameter names
+    files: dict[str, bytes]  # every other file but the weights, as it is
+    weights: dict[str, tuple[str, ...]]  # weights file -> the tensor names it stores
+
+
+def read_trainer_folder(loaded: LoadedModel) -> TrainerFolder:
     """The optimizer state, weights files and other files of Trainer folder ``loaded``."""
-    from .torch_file import TensorDictReader, load_torch_file
+    from .torch_file import load_torch_file
 
     folder, where = loaded.path, str(loaded.path)
     weights = _weight_files(loaded, where)
     files = _carried_files(folder, {*weights, OPTIMIZER_FILE}, where)
     osd, _ = load_torch_file(folder / OPTIMIZER_FILE, trust_pickle=False)
     names = trainer_param_names(loaded.module, osd, f"{where}/{OPTIMIZER_FILE}")
-    tensors, scalars, extras, found = optimizer_entries(osd, names, (OPTIMIZER_FILE,), where)
-    reader = TensorDictReader(found) if found else None
-    return TrainingState(
-        "trainer", (), tuple(tensors), scalars, tuple(extras), reader, where, files, weights
-    )
+    return TrainerFolder(osd, names, files, weights)
 
 
 def _weight_files(loaded: LoadedModel, where: str) -> dict[str, tuple[str, ...]]:
