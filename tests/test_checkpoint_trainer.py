@@ -262,8 +262,9 @@ def test_carried_files_are_bounded(trained, tmp_path, monkeypatch):
             lambda files: files["scheduler.pt"].update(base64="AAAA"),
             "scheduler.pt does not match its checksum",
         ),
+        (lambda files: files.update({"optimizer.pt": files["scheduler.pt"]}), "a file twice"),
     ],
-    ids=["path", "bytes"],
+    ids=["path", "bytes", "optimizer.pt"],
 )
 def test_a_forged_file_record_is_refused(trained, tmp_path, forge, message):
     flat, back = tmp_path / "flat.safetensors", tmp_path / "back"

@@ -137,7 +137,7 @@ def parse_optim(text: str, where: str, layout: Layout) -> OptimState:
 def _check_folder_files(state: OptimState, layout: Layout, where: str) -> None:
     """Names that ``restore`` writes into a folder are plain file names, each once,
     and each weights file stores tensors the layout holds."""
-    names = [*state.weights, *state.files]
+    names = [*state.weights, *state.files, *(["optimizer.pt"] if state.form == "trainer" else [])]
     for name in names:
         if not name or name in (".", "..") or "/" in name or "\\" in name:
             raise CheckpointError(
@@ -150,11 +150,9 @@ def _check_folder_files(state: OptimState, layout: Layout, where: str) -> None:
     known |= {n for t in layout.kept for n in t.names}
     for file, stored in state.weights.items():
         stray = next((n for n in stored if n not in known), None)
-        if stray is not None:
-            raise CheckpointError(
-                f"{where}: {file} should store {stray!r}, which the layout does not hold; "
-                "the metadata was modified"
-            )
+        if stray is not None or len(set(stored)) != len(stored):
+            what = f"{stray!r}, which the layout does not hold" if stray else "a name twice"
+            raise CheckpointError(f"{where}: {file} should store {what}; the metadata was modified")
 
 
 def file_bytes(state: OptimState, where: str) -> dict[str, bytes]:
