@@ -278,3 +278,12 @@ def test_a_forged_file_record_is_refused(trained, tmp_path, forge, message):
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and not back.exists()
     assert not (tmp_path.parent / "evil").exists()
+
+
+def test_without_transformers_the_optimizer_is_not_dropped(trained, tmp_path, monkeypatch):
+    """Read as its safetensors alone, a Trainer folder is refused, not stripped."""
+    import sys
+
+    folder = copy_of(trained[0], tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    assert_refused(folder, tmp_path, "needs the architecture (config.json is here but")

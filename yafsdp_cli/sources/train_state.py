@@ -65,9 +65,10 @@ class TrainingState:
 
 def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     """The training state of ``loaded``'s source, or None when it holds weights only."""
+    from .trainer_folder import trainer_folder_of
+
     reader = loaded.reader
-    folder = loaded.path if loaded.path is not None and loaded.path.is_dir() else None
-    if folder is not None and (folder / "optimizer.pt").is_file():
+    if trainer_folder_of(loaded) is not None:
         return _from_trainer(loaded)
     if isinstance(reader, DcpReader):
         return _from_dcp(reader, loaded.spec.source)
@@ -203,8 +204,8 @@ def _from_trainer(loaded: LoadedModel) -> TrainingState:
     from .torch_file import TensorDictReader
     from .trainer_folder import OPTIMIZER_FILE, read_trainer_folder
 
-    where = str(loaded.path)
     got = read_trainer_folder(loaded)
+    where = str(loaded.path)
     tensors, scalars, extras, found = optimizer_entries(
         got.osd, got.names, (OPTIMIZER_FILE,), where
     )

@@ -43,11 +43,23 @@ class TrainerFolder:
     weights: dict[str, tuple[str, ...]]  # weights file -> the tensor names it stores
 
 
+def trainer_folder_of(loaded: LoadedModel) -> Path | None:
+    """The Trainer folder ``loaded`` comes from (one holding ``optimizer.pt``): the
+    source folder, or the weights' folder when it was read as its weights alone
+    (without transformers), or None."""
+    path = loaded.path
+    if path is None:
+        return None
+    folder = path if path.is_dir() else path.parent if "architecture_hint" in loaded.extra else None
+    return folder if folder is not None and (folder / OPTIMIZER_FILE).is_file() else None
+
+
 def read_trainer_folder(loaded: LoadedModel) -> TrainerFolder:
     """The optimizer state, weights files and other files of Trainer folder ``loaded``."""
     from .torch_file import load_torch_file
 
-    folder, where = loaded.path, str(loaded.path)
+    folder = trainer_folder_of(loaded)
+    where = str(folder)
     weights = _weight_files(loaded, where)
     files = _carried_files(folder, {*weights, OPTIMIZER_FILE}, where)
     osd, _ = load_torch_file(folder / OPTIMIZER_FILE, trust_pickle=False)
@@ -59,6 +71,11 @@ def _weight_files(loaded: LoadedModel, where: str) -> dict[str, tuple[str, ...]]
     """Each safetensors weights file's name and the tensor names it stores, every one
     a name of the architecture (so restore writes them under the same names)."""
     reader = loaded.reader
+    if "architecture_hint" in loaded.extra:  # a folder read without transformers
+        raise SourceError(
+            f"{where}: a Trainer checkpoint; naming its optimizer.pt's parameters needs the "
+            f"architecture ({loaded.extra['architecture_hint']}); or pass --weights-only"
+        )
     if loaded.module is None or not isinstance(reader, SafetensorsReader):
         raise SourceError(
             f"{where}: a Trainer checkpoint whose weights are not safetensors beside a "
