@@ -334,17 +334,3 @@ def test_torch_save_optimizer_over_some_parameters_is_refused(tmp_path):
     result = run("convert", src, "--model", "sample_models.models:mlp", "-o", flat)
     assert result.exit_code == 2 and not flat.exists()
     assert "the optimizer holds 4 parameters, but --model has 6" in " ".join(result.output.split())
-
-
-def test_a_trainer_folder_optimizer_is_not_dropped_silently(tmp_path):
-    from dcp_helpers import tiny_llama
-
-    folder = tmp_path / "checkpoint-10"
-    tiny_llama().save_pretrained(folder)
-    torch.save({"state": {}, "param_groups": []}, folder / "optimizer.pt")
-    result = run("convert", folder, "-o", tmp_path / "flat.safetensors")
-    assert result.exit_code == 2 and "optimizer.pt" in result.output
-    assert not (tmp_path / "flat.safetensors").exists()
-    assert (
-        run("convert", folder, "-o", tmp_path / "flat.safetensors", "--weights-only").exit_code == 0
-    )

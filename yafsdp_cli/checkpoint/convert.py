@@ -162,9 +162,13 @@ def write_converted(
 
 def _training_state(loaded: LoadedModel):
     """The source's optimizer state and other entries (``sources.train_state``), or
-    None. Only DCP folders and torch files hold any, and loading either imports torch,
-    so without torch loaded there is none, and a safetensors convert stays torch-free."""
-    if "torch" not in sys.modules:
+    None. DCP folders and torch files hold some, and loading either imports torch, so
+    without torch loaded there is none and a safetensors convert stays torch-free; a
+    Trainer folder's ``optimizer.pt`` is read even so (a folder read as its
+    safetensors alone, without transformers, is refused rather than stripped)."""
+    from ..sources.trainer_folder import trainer_folder_of
+
+    if "torch" not in sys.modules and trainer_folder_of(loaded) is None:
         return None
     from ..sources.train_state import read_training_state
 

@@ -12,7 +12,10 @@ A parameter the optimizer keeps no state for has zeros there, and no path.
 Everything else the training checkpoint held (step counts, param groups and their
 hyperparameters, a scheduler's or the train loop's entries) is JSON in the
 ``yafsdp.optimizer`` metadata record, each value under the key path it had in the
-source, so that ``restore`` rebuilds the source's own nesting bit for bit.
+source, so that ``restore`` rebuilds the source's own nesting bit for bit. A
+Trainer folder's record also names its weights files and the tensors each stores,
+and holds its other files (``scheduler.pt``, ``trainer_state.json``, ...) as
+base64 with a checksum each (``files``), written back byte for byte.
 
 Understood: Adam and AdamW (``exp_avg``, ``exp_avg_sq``, optional
 ``max_exp_avg_sq``, scalar ``step``, one value for every parameter) and SGD
@@ -21,6 +24,7 @@ Understood: Adam and AdamW (``exp_avg``, ``exp_avg_sq``, optional
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -32,6 +36,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError, YafsdpError
 from ..sources.state import IntKey
+from .format import checksum_of
 
 if TYPE_CHECKING:  # the sources that hold state import torch; this module does not
     from ..sources.train_state import StateTensor, TrainingState
@@ -64,6 +69,9 @@ class OptimState:
     dtypes: dict[str, dict[str, str]]  # field -> buffer name -> dtype
     paths: dict[str, dict[str, list]]  # param -> field -> key path
     extras: list  # [[key path, encoded value], ...]
+    # a Trainer folder: weights file -> stored names; file -> {"checksum", "base64"}
+    weights: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     def state_buffers(self, layout: Layout) -> tuple[BufferLayout, ...]:
         """The state buffers: each a copy of its parameter buffer's layout."""
@@ -83,6 +91,8 @@ class OptimState:
             "paths": self.paths,
             "extras": self.extras,
         }
+        if self.weights or self.files:  # a DCP or torch.save record is as it always was
+            record.update(weights=self.weights, files=self.files)
         return json.dumps(record, separators=(",", ":"), allow_nan=True)
 
 
@@ -97,9 +107,15 @@ def parse_optim(text: str, where: str, layout: Layout) -> OptimState:
             dtypes={str(f): dict(v) for f, v in d["dtypes"].items()},
             paths={str(p): dict(v) for p, v in d["paths"].items()},
             extras=list(d["extras"]),
+            weights={str(f): [str(n) for n in v] for f, v in d.get("weights", {}).items()},
+            files={
+                str(f): {"checksum": str(v["checksum"]), "base64": str(v["base64"])}
+                for f, v in d.get("files", {}).items()
+            },
         )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise CheckpointError(f"{where}: the optimizer metadata is damaged ({exc})") from None
+    _check_folder_files(state, layout, where)
     entries = {e.name for b in layout.buffers for e in b.entries}
     stray = sorted(set(state.paths) - entries)
     if stray:
@@ -116,6 +132,44 @@ def parse_optim(text: str, where: str, layout: Layout) -> OptimState:
                     f"{where}: state {field!r} has unknown dtype {dtype!r}"
                 ) from None
     return state
+
+
+def _check_folder_files(state: OptimState, layout: Layout, where: str) -> None:
+    """Names that ``restore`` writes into a folder are plain file names, each once,
+    and each weights file stores tensors the layout holds."""
+    names = [*state.weights, *state.files, *(["optimizer.pt"] if state.form == "trainer" else [])]
+    for name in names:
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(
+                f"{where}: the optimizer metadata names a file {name!r}, which is no plain "
+                "file name; the metadata was modified"
+            )
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"{where}: the optimizer metadata names a file twice")
+    known = {n for b in layout.buffers for e in b.entries for n in e.names}
+    known |= {n for t in layout.kept for n in t.names}
+    for file, stored in state.weights.items():
+        stray = next((n for n in stored if n not in known), None)
+        if stray is not None or len(set(stored)) != len(stored):
+            what = f"{stray!r}, which the layout does not hold" if stray else "a name twice"
+            raise CheckpointError(f"{where}: {file} should store {what}; the metadata was modified")
+
+
+def file_bytes(state: OptimState, where: str) -> dict[str, bytes]:
+    """The carried files' bytes, each checked against its checksum."""
+    out = {}
+    for name, item in state.files.items():
+        try:
+            data = base64.b64decode(item["base64"], validate=True)
+        except ValueError:
+            data = None
+        if data is None or checksum_of(data) != item["checksum"]:
+            raise CheckpointError(
+                f"{where}: the carried file {name} does not match its checksum; the metadata "
+                "was modified or damaged"
+            )
+        out[name] = data
+    return out
 
 
 # ---------------------------------------------------------------- understanding a source
@@ -144,6 +198,11 @@ def optim_from(state: TrainingState, layout: Layout) -> OptimState:
         dtypes=found,
         paths=paths,
         extras=[[path_json(path), encode(value)] for path, value in state.extras],
+        weights={f: list(names) for f, names in state.weights.items()},
+        files={
+            name: {"checksum": checksum_of(data), "base64": base64.b64encode(data).decode()}
+            for name, data in state.files.items()
+        },
     )
 
 

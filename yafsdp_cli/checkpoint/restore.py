@@ -12,7 +12,8 @@ name, and the metadata maps each dropped name to the stored one, so
 tensor (it holds the model in memory once; ``.safetensors`` output streams).
 ``fmt="dcp"`` writes a torch.distributed.checkpoint folder instead (``dcp_restore.py``).
 A checkpoint that carries optimizer state is restored in its source's layout, state
-included (``train_restore.py``); ``weights_only`` gives the weights as above.
+included (``train_restore.py``; ``fmt="trainer"``: a Hugging Face Trainer folder,
+``trainer_restore.py``); ``weights_only`` gives the weights as above.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from .copy import Copier, coalesce
+from .copy import Copier
 from .flat_writer import stored_kept
-from .format import YAFSDP_KEYS, TensorSlot, data_order
+from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat
 from .results import Progress, RestoreResult, WrittenFile
-from .writer import FileWriter, check_output, staged_output
+from .writer import check_output, staged_output, write_safetensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
-FORMATS = ("safetensors", "pt", "dcp")
+FORMATS = ("safetensors", "pt", "dcp", "trainer")
 
 
 def state_dict_items(ckpt: FlatCheckpoint) -> list[StateDictItem]:
@@ -61,18 +62,29 @@ def restore_checkpoint(
 ) -> RestoreResult:
     """Write the state dict of flat checkpoint ``flat`` (file, set folder or index)
     to ``out`` (``.safetensors``, or ``.pt``/``.pth``/``.bin``; with ``fmt="dcp"`` a
-    torch.distributed.checkpoint folder). Every checksum and the zero padding are
-    verified before ``out`` appears: for ``.safetensors`` in the same pass as the copy
-    (the bytes are read once, checksummed and written to the hidden temporary; a
-    mismatch removes it). A checkpoint with optimizer state is written in its
+    torch.distributed.checkpoint folder; with ``fmt="trainer"`` the Trainer folder a
+    checkpoint with Trainer state was converted from). Every checksum and the zero
+    padding are verified before ``out`` appears: for ``.safetensors`` in the same pass
+    as the copy (the bytes are read once, checksummed and written to the hidden
+    temporary; a mismatch removes it). A checkpoint with optimizer state is written in its
     source's own layout (``train_restore.py``) unless ``weights_only``."""
     out = Path(out)
     fmt = _format_of(out, fmt)
     ckpt = open_flat(flat)
+    if fmt == "trainer" and (ckpt.optim is None or weights_only):
+        why = "--weights-only asks for the weights alone" if weights_only else "it holds none"
+        raise CheckpointError(
+            f"--format trainer writes a Trainer checkpoint folder with its optimizer state, "
+            f"but {why}; choose --format safetensors, pt or dcp"
+        )
     if ckpt.optim is not None and not weights_only:
+        items = state_dict_items(ckpt)
+        if fmt == "trainer" and ckpt.optim.form == "trainer":
+            from .trainer_restore import restore_trainer
+
+            return restore_trainer(ckpt, out, items, force=force, progress=progress)
         from .train_restore import restore_training
 
-        items = state_dict_items(ckpt)
         return restore_training(ckpt, out, fmt, items, force=force, progress=progress)
     if fmt == "dcp":
         from .dcp_restore import restore_dcp
@@ -87,7 +99,7 @@ def restore_checkpoint(
             checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
         else:
-            _write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
+            write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
             checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
     return RestoreResult(
@@ -106,7 +118,7 @@ def restore_checkpoint(
 def _format_of(out: Path, fmt: str | None = None) -> str:
     if fmt not in (None, *FORMATS):
         raise CheckpointError(f"--format {fmt!r} is not one of {' | '.join(FORMATS)}")
-    if fmt == "dcp":
+    if fmt in ("dcp", "trainer"):  # folders
         return fmt
     if out.name.endswith(".safetensors"):
         found = "safetensors"
@@ -130,29 +142,6 @@ def _metadata(ckpt: FlatCheckpoint, tied: dict[str, str]) -> dict[str, str]:
         k: v for k, v in ckpt.source_metadata.items() if k not in names and k not in YAFSDP_KEYS
     }
     return {**meta, **tied, "format": "pt"}
-
-
-def _write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> None:
-    by_name = {it.slot.name: it for it in items}
-    slots = data_order([it.slot for it in items])
-    total, done = sum(s.nbytes for s in slots), 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress("writing", done, total)
-
-    writer = FileWriter(path, slots, metadata, checksums=False)
-    try:
-        for slot in slots:
-            writer.begin(slot.name)
-            for piece in coalesce(by_name[slot.name].ranges()):
-                writer.put(piece, copier, tick)
-            writer.end()
-        writer.finish()
-    finally:
-        writer.close()
 
 
 def _write_pt(path: Path, items, progress) -> None:

@@ -23,7 +23,7 @@ from .optim_state import SEP, OptimState, decode, path_of
 from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, WrittenFile
 
-FORMS = {"dcp": "dcp", "pt": "pt"}  # record form -> restore --format
+FORMS = {"dcp": "dcp", "pt": "pt", "trainer": "trainer"}  # record form -> restore --format
 
 
 def check_form(optim: OptimState, fmt: str) -> None:

@@ -27,8 +27,8 @@ from pathlib import Path
 from ..engine import dtypes
 from ..errors import CheckpointError
 from ..fileio import write_error
-from .copy import Copier, FileRange, Zeros, size_of, write_at
-from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, placeholder
+from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
+from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
 
 
 class FileWriter:
@@ -292,3 +292,28 @@ def staged_output(out: Path, *, folder: bool) -> Iterator[Staged]:
     finally:
         if staged.temp.exists():
             staged.remove_temp()
+
+
+def write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> None:
+    """A safetensors file of ``items`` (``reader.StateDictItem``), each copied from its
+    byte ranges, in safetensors' own data order."""
+    by_name = {it.slot.name: it for it in items}
+    slots = data_order([it.slot for it in items])
+    total, done = sum(s.nbytes for s in slots), 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("writing", done, total)
+
+    writer = FileWriter(path, slots, metadata, checksums=False)
+    try:
+        for slot in slots:
+            writer.begin(slot.name)
+            for piece in coalesce(by_name[slot.name].ranges()):
+                writer.put(piece, copier, tick)
+            writer.end()
+        writer.finish()
+    finally:
+        writer.close()

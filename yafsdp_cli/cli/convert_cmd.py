@@ -130,7 +130,8 @@ def restore_command(
             "--output",
             "-o",
             help="The state dict to write: .safetensors (streamed), or .pt/.pth/.bin "
-            "(torch.save; holds the model in memory once), or a folder with --format dcp.",
+            "(torch.save; holds the model in memory once), or a folder with --format dcp "
+            "or trainer.",
             show_default=False,
         ),
     ],
@@ -139,7 +140,8 @@ def restore_command(
         typer.Option(
             "--format",
             help="safetensors | pt | dcp (a torch.distributed.checkpoint folder that FSDP2 "
-            "and torchtitan load). Default: from the output's suffix.",
+            "and torchtitan load) | trainer (the Hugging Face Trainer folder it was "
+            "converted from, optimizer state included). Default: from the output's suffix.",
             show_default=False,
         ),
     ] = None,

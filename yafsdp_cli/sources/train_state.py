@@ -12,11 +12,13 @@ Optimizer state is keyed by parameter name in DCP (``optimizer.state.NAME.FIELD`
 ``optimizer.state.NAME.FIELD`` as one key in the flattened form of
 ``get_optimizer_state_dict``); ``torch.save(optimizer.state_dict())`` numbers the
 parameters instead, in the order the optimizer was given them, which only the
-architecture knows (``--model``: its ``parameters()`` order).
+architecture knows (``--model``: its ``parameters()`` order; a Trainer folder's
+``optimizer.pt``: the Trainer's weight-decay groups, ``trainer_folder.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -49,25 +51,25 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class TrainingState:
-    form: str  # "dcp" or "pt"
+    form: str  # "dcp", "pt" or "trainer"
     model_path: tuple  # key path of the weights: ("model",) or ()
     tensors: tuple[StateTensor, ...]
     scalars: dict[str, dict[str, Any]]  # param -> field -> scalar state (step)
     extras: tuple[tuple[tuple, Any], ...]  # (key path, value): everything else
     reader: Any  # .iter_bytes(key, chunk) for the state tensors
     where: str
+    # a Trainer folder's other files, as they are, and each weights file's stored names
+    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    weights: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     """The training state of ``loaded``'s source, or None when it holds weights only."""
+    from .trainer_folder import trainer_folder_of
+
     reader = loaded.reader
-    folder = loaded.path if loaded.path is not None and loaded.path.is_dir() else None
-    if folder is not None and (folder / "optimizer.pt").is_file():
-        raise SourceError(
-            f"{folder}: a Trainer checkpoint; its optimizer.pt (the Trainer numbers "
-            "parameters by its own weight-decay groups) is not read by this yafsdp; pass "
-            "--weights-only to convert the weights alone"
-        )
+    if trainer_folder_of(loaded) is not None:
+        return _from_trainer(loaded)
     if isinstance(reader, DcpReader):
         return _from_dcp(reader, loaded.spec.source)
     if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
@@ -190,25 +192,54 @@ def _from_torch(loaded: LoadedModel) -> TrainingState | None:
         return None
     osd = obj[opt_key]
     names = _param_names(loaded, osd, where)
-    tensors, scalars, extras, found = [], {}, [], {}
-    for pid, fields in osd.get("state", {}).items():
-        param = names[pid]
-        for field, value in fields.items():
-            path = (opt_key, "state", IntKey(pid), field)
-            if isinstance(value, torch.Tensor) and field != "step":
-                key = f"{pid}.{field}"
-                found[key] = value
-                dtype = _dtype_name(value.dtype)
-                tensors.append(StateTensor(param, field, path, key, dtype, tuple(value.shape)))
-            else:
-                scalars.setdefault(param, {})[field] = value
-                extras.append((path, value))
-    extras += [((opt_key, k), v) for k, v in osd.items() if k != "state"]
+    tensors, scalars, extras, found = optimizer_entries(osd, names, (opt_key,), where)
     extras += [((k,), v) for k, v in obj.items() if k not in (opt_key, model_key)]
-    if "state" in osd and not osd["state"]:
-        extras.append(((opt_key, "state"), {}))
     reader = TensorDictReader(found) if found else None
     return TrainingState("pt", (model_key,), tuple(tensors), scalars, tuple(extras), reader, where)
+
+
+def _from_trainer(loaded: LoadedModel) -> TrainingState:
+    """A Trainer folder (``trainer_folder.py``): ``optimizer.pt`` under key path
+    ``("optimizer.pt",)``, the weights files' names and the other files' bytes."""
+    from .torch_file import TensorDictReader
+    from .trainer_folder import OPTIMIZER_FILE, read_trainer_folder
+
+    got = read_trainer_folder(loaded)
+    where = str(loaded.path)
+    tensors, scalars, extras, found = optimizer_entries(
+        got.osd, got.names, (OPTIMIZER_FILE,), where
+    )
+    reader = TensorDictReader(found) if found else None
+    state = (tuple(tensors), scalars, tuple(extras), reader, where, got.files, got.weights)
+    return TrainingState("trainer", (), *state)
+
+
+def optimizer_entries(osd: dict, names: dict[int, str], prefix: tuple, where: str):
+    """An ``optimizer.state_dict()`` at key path ``prefix``, split: its state tensors,
+    each parameter's scalars, every other value under its key path, and the tensors
+    by the key ``TensorDictReader`` gives them."""
+    tensors, scalars, extras, found = [], {}, [], {}
+    for pid, fields in osd.get("state", {}).items():
+        param = names.get(pid)
+        if param is None:
+            raise SourceError(
+                f"{where}: the optimizer holds state for parameter {pid!r}, which no param "
+                "group lists; not an optimizer.state_dict()"
+            )
+        for name, value in fields.items():
+            path = (*prefix, "state", IntKey(pid), name)
+            if isinstance(value, torch.Tensor) and name != "step":
+                key = f"{pid}.{name}"
+                found[key] = value
+                dtype = _dtype_name(value.dtype)
+                tensors.append(StateTensor(param, name, path, key, dtype, tuple(value.shape)))
+            else:
+                scalars.setdefault(param, {})[name] = value
+                extras.append((path, value))
+    extras += [((*prefix, k), v) for k, v in osd.items() if k != "state"]
+    if "state" in osd and not osd["state"]:
+        extras.append(((*prefix, "state"), {}))
+    return tensors, scalars, extras, found
 
 
 def _param_names(loaded: LoadedModel, osd: dict, where: str) -> dict[int, str]:
