@@ -1,19 +1,22 @@
 """``plan --scheme``: the step's peak per rank under FSDP2, ZeRO-1/2/3 and DDP beside
 the flat scheme, over the plan's grid.
 
-A scheme's peak at (world size, micro-batch, checkpointing) is what it holds
-(``memory.step_schemes``: persistent bytes and its gathered parameters and
-gradient buffers) plus the highest phase of the step's own bytes, activations and
-temporaries, from the fake runs the plan already makes (``measure``):
+A scheme's peak at (world size, micro-batch, checkpointing) is the highest phase of
+what it holds then (``memory.step_schemes.phase_peak``: persistent bytes, gathered
+parameters, gradients and their buffers as the scheme has them at that phase) plus
+the step's own bytes then, activations and temporaries, from the fake runs the plan
+already makes (``measure``):
 
 - schemes that compute on sharded-then-gathered units (flat, fsdp2, zero3) take the
   plan's line at that world size, as the flat rows do: the same activations, and
   temporaries whose per-rank part (gradients not yet reduced, optimizer
   temporaries) scales with ``1/world_size``;
 - schemes whose forward and backward run on whole parameters (ddp, zero1, zero2)
-  take the line measured at world size 1 (the step of the whole model); ZeRO-1/2's
-  optimizer steps a ``1/world_size`` partition, so their optimizer phase's
-  temporaries are divided by the world size.
+  take the line measured at world size 1 (the step of the whole model).
+
+The same runs give what the flat step held at each phase's peak (``Runner.unheld``,
+``Runner.grads``), fitted as lines too: the step's own bytes are measured apart from
+the flat model's buffers, and a scheme's holdings are put in their place.
 
 Whether a scheme's cell fits is the plan's reserved test: the peak plus the
 fragmentation the caching allocator adds, taken from the flat step's replayed runs
@@ -37,7 +40,13 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
-from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
+from ..memory.step_schemes import (
+    WHOLE_PARAMS,
+    SchemeSettings,
+    StepAt,
+    phase_peak,
+    scheme_memory,
+)
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
 from .reserved_fit import ReservedFit, keeping_margin
@@ -104,17 +113,20 @@ def compare_schemes(
     line_for: Callable,
     fit: ReservedFit,
     sizes: tuple[int, ...],
+    settings: SchemeSettings | None = None,
 ) -> tuple[SchemePlan, ...]:
     """Every scheme of ``opts.schemes`` over the plan's grid of world sizes
     (``sizes``); ``lines``, ``line_for`` and ``fit`` are the plan's (``fit_grid``),
-    ``runner`` measures the world-size-1 line if needed."""
+    ``runner`` measures the world-size-1 line if needed; ``settings``: the schemes'
+    knobs (their defaults where None)."""
+    settings = settings or SchemeSettings()
     whole = {}
     if any(s in WHOLE_PARAMS for s in opts.schemes):
         for ck in opts.checkpointing:
             whole[ck] = lines.get((ck, 1)) or runner.line(1, ck, opts.micro_batches, None)
     line_at = lambda ck, ws: line_for(lines, ck, ws)  # noqa: E731
-    rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit)
-    rows.whole = whole
+    rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit, runner)
+    rows.whole, rows.settings = whole, settings
     grids = {
         s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
                  for mb in opts.micro_batches)
@@ -128,24 +140,55 @@ def compare_schemes(
 class _RowMaker:
     """``(scheme, world size, micro-batch, checkpointing) -> SchemeRow``."""
 
-    def __init__(self, opts: PlanOptions, memory: Callable, line_at: Callable, fit: ReservedFit):
+    def __init__(self, opts, memory: Callable, line_at: Callable, fit: ReservedFit, runner):
         self.opts, self.memory, self.line_at, self.fit = opts, memory, line_at, fit
+        self.runner = runner
         self.whole: dict[str, PhaseLine] = {}  # checkpointing -> the world-size-1 line
+        self.settings = SchemeSettings()
+        self._step_lines: dict[tuple, tuple[PhaseLine, PhaseLine]] = {}
 
     def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
-        opts = self.opts
+        settings = settings or self.settings
         full = scheme in WHOLE_PARAMS
         line = self.whole[ck] if full else self.line_at(ck, ws)
-        partition = ws if scheme in ("zero1", "zero2") else 1
-        phase, act, temp = _highest_phase(line, mb, 1 if full else ws, partition)
-        m = self.memory(scheme, ws, settings or SchemeSettings())
-        peak = m.total + act + temp
+        m = self.memory(scheme, ws, settings)
+        steps = self._steps(line, mb, 1 if full else ws)
+        phase, peak = max(
+            ((p, phase_peak(scheme, p, m, at, ws, settings)) for p, at in steps.items()),
+            key=lambda pair: pair[1],
+        )
+        act = steps[phase].activations
         reserved = peak + self._fragmentation(ws, mb, ck)
         needed = reserved + self.fit.outside(ws).total
         return SchemeRow(
             scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
-            act, temp, phase, needed <= opts.gpu_memory,
+            act, peak - m.total - act, phase, needed <= self.opts.gpu_memory,
         )  # fmt: skip
+
+    def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
+        """The reference step at each phase's peak (``StepAt``), from ``line`` and the
+        lines of what it held then, fitted through the same runs. Which moment is a
+        phase's peak settles once activations dominate: past the measured
+        micro-batches, what it held is the nearest measured one's."""
+        unheld, grads = self._held_lines(line)
+        points = sorted(set(self.opts.micro_batches))[:2]
+        at = min(max(mb, points[0]), points[-1])
+        out = {}
+        for p in line.const:
+            _, act, temp = _one_phase(line, p).at(mb, ws)
+            out[p] = StepAt(act, temp, _value(unheld, p, at, ws), max(_value(grads, p, at, ws), 0))
+        return out
+
+    def _held_lines(self, line: PhaseLine) -> tuple[PhaseLine, PhaseLine]:
+        key = (line.world_sizes, line.checkpointing)
+        if key not in self._step_lines:
+            ws, ws2 = line.world_sizes[0], (line.world_sizes[1:] or (None,))[0]
+            fitted = (
+                self.runner.line(ws, line.checkpointing, self.opts.micro_batches, ws2, of=of)
+                for of in (self.runner.unheld, self.runner.grads)
+            )
+            self._step_lines[key] = tuple(fitted)
+        return self._step_lines[key]
 
     def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
         """The caching allocator's reserved minus allocated bytes at the cell, as the
@@ -153,7 +196,7 @@ class _RowMaker:
         allocate the same activations and temporaries)."""
         if not self.fit.confs:
             return 0
-        _, act, temp = _highest_phase(self.line_at(ck, ws), mb, ws, 1)
+        _, act, temp = self.line_at(ck, ws).at(mb, ws)
         flat = self.memory("flat", ws, SchemeSettings()).total + act + temp
         return self.fit.reserved_at((ws, mb, ck), flat, 0) - flat
 
@@ -166,12 +209,13 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     mine = next((r for r in rows if _key(r) == key), None)
     saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
     plan = SchemePlan(
-        scheme, SETTINGS[scheme], rows, _smallest(rows, opts), best, key,
+        scheme, configuration(scheme, make.settings), rows, _smallest(rows, opts), best, key,
         flat.peak_bytes if flat else None, saves,
     )  # fmt: skip
     if scheme != "fsdp2" or best is None or best.world_size == 1:
         return plan
-    kept = make(scheme, *_key(best), settings=SchemeSettings(reshard_after_forward=False))
+    no_reshard = dataclasses.replace(make.settings, reshard_after_forward=False)
+    kept = make(scheme, *_key(best), settings=no_reshard)
     return dataclasses.replace(
         plan, no_reshard_peak_bytes=kept.peak_bytes, no_reshard_fits=kept.fits
     )
@@ -181,28 +225,42 @@ def _key(r: SchemeRow) -> tuple[int, int, str]:
     return (r.world_size, r.micro_batch, r.checkpointing)
 
 
-SETTINGS = {  # what each scheme's rows assume, in its own terms
-    "flat": "2 all-gather + 2 gradient buffers of the largest unit",
-    "fsdp2": "reshard_after_forward=True",
-    "ddp": "bucket_cap_mb=25, gradient_as_bucket_view=False",
-    "zero1": "reduce_bucket_size=5e8, contiguous_gradients",
-    "zero2": "reduce_bucket_size=5e8, contiguous_gradients",
-    "zero3": "prefetch 5e7, max live 1e9, reuse distance 1e9, persistence 1e5, "
-    "reduce_bucket_size=5e8",
-}
+def configuration(scheme: str, settings: SchemeSettings) -> str:
+    """What a scheme's rows assume, in its own terms."""
+    z = settings.zero
+    bucket = f"reduce_bucket_size={_short(z.reduce_bucket_size)}"
+    return {
+        "flat": "2 all-gather + 2 gradient buffers of the largest unit",
+        "fsdp2": f"reshard_after_forward={settings.reshard_after_forward}",
+        "ddp": f"bucket_cap_mb=25, gradient_as_bucket_view={settings.ddp_bucket_view}",
+        "zero1": f"{bucket}, contiguous_gradients",
+        "zero2": f"{bucket}, contiguous_gradients",
+        "zero3": f"prefetch {_short(z.prefetch_bucket_size)}, max live "
+        f"{_short(z.max_live_parameters)}, reuse distance {_short(z.max_reuse_distance)}, "
+        f"persistence {_short(z.param_persistence_threshold)}, {bucket}",
+    }[scheme]
 
 
-def _highest_phase(line: PhaseLine, mb: int, ws: int, partition: int) -> tuple[str, int, int]:
-    """(phase, activations, temporaries) of the highest phase; the optimizer phase's
-    temporaries divided by ``partition`` (the share of the optimizer a rank steps)."""
-    best = None
-    for p in line.const:
-        _, act, temp = dataclasses.replace(line, const={p: line.const[p]}).at(mb, ws)
-        if p == "optimizer":
-            temp = round(temp / partition)
-        if best is None or act + temp > best[1] + best[2]:
-            best = (p, act, temp)
-    return best
+def _short(n: int) -> str:
+    """``500_000_000`` -> ``"5e8"``; a number that is not one digit and zeros as it is."""
+    text = f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+    return text if float(text) == n else str(n)
+
+
+def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
+    """``line`` with ``phase`` alone, so that ``at`` gives that phase's figures."""
+    keep = lambda d: {phase: d[phase]} if d is not None else None  # noqa: E731
+    upper = line.upper and (keep(line.upper[0]), keep(line.upper[1]))
+    return dataclasses.replace(
+        line, const=keep(line.const), slope=keep(line.slope), per_rank=keep(line.per_rank),
+        upper=upper,
+    )  # fmt: skip
+
+
+def _value(line: PhaseLine, phase: str, mb: int, ws: int) -> int:
+    """A held-bytes line's value at one phase (no knee: it is fitted on two runs)."""
+    per_rank = line.per_rank[phase] / ws if line.per_rank else 0.0
+    return round(line.const[phase] + line.slope[phase] * mb + per_rank)
 
 
 def _scheme_memory(loaded, opts: PlanOptions):
