@@ -145,7 +145,7 @@ class _RowMaker:
         self.runner = runner
         self.whole: dict[str, PhaseLine] = {}  # checkpointing -> the world-size-1 line
         self.settings = SchemeSettings()
-        self._step_lines: dict[tuple, tuple[PhaseLine, PhaseLine]] = {}
+        self._per_rank_parts: dict[tuple, dict[str, float]] = {}
 
     def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
         settings = settings or self.settings
@@ -166,29 +166,39 @@ class _RowMaker:
         )  # fmt: skip
 
     def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
-        """The reference step at each phase's peak (``StepAt``), from ``line`` and the
-        lines of what it held then, fitted through the same runs. Which moment is a
-        phase's peak settles once activations dominate: past the measured
-        micro-batches, what it held is the nearest measured one's."""
-        unheld, grads = self._held_lines(line)
-        points = sorted(set(self.opts.micro_batches))[:2]
-        at = min(max(mb, points[0]), points[-1])
+        """The reference step at each phase's peak (``StepAt``): ``line``'s figures,
+        and what the step held then (``_held``)."""
         out = {}
         for p in line.const:
             _, act, temp = _one_phase(line, p).at(mb, ws)
-            out[p] = StepAt(act, temp, _value(unheld, p, at, ws), max(_value(grads, p, at, ws), 0))
+            unheld, grads = (self._held(line, f, p, mb, ws) for f in ("unheld", "grads"))
+            out[p] = StepAt(act, temp, unheld, max(grads, 0))
         return out
 
-    def _held_lines(self, line: PhaseLine) -> tuple[PhaseLine, PhaseLine]:
-        key = (line.world_sizes, line.checkpointing)
-        if key not in self._step_lines:
-            ws, ws2 = line.world_sizes[0], (line.world_sizes[1:] or (None,))[0]
-            fitted = (
-                self.runner.line(ws, line.checkpointing, self.opts.micro_batches, ws2, of=of)
-                for of in (self.runner.unheld, self.runner.grads)
-            )
-            self._step_lines[key] = tuple(fitted)
-        return self._step_lines[key]
+    def _held(self, line: PhaseLine, figure: str, phase: str, mb: int, ws: int) -> int:
+        """What the runs behind ``line`` held at ``phase``'s peak (``Runner.unheld`` or
+        ``Runner.grads``) at ``mb`` and ``ws``: between the micro-batches run at the
+        line's world size, straight between the nearest two, beyond them the nearest
+        one's (which moment is a phase's peak moves with the micro-batch, and settles
+        once activations dominate); the per-rank part fitted as the line's is."""
+        ws0, ck = line.world_sizes[0], line.checkpointing
+        of = getattr(self.runner, figure)
+        runs = sorted(k[1] for k in self.runner.made() if k[0] == ws0 and k[2] == ck)
+        at = {m: of(ws0, m, ck)[phase] for m in runs}
+        value = _between(at, mb)
+        if len(line.world_sizes) > 1:
+            per_rank = self._per_rank(line, figure)[phase]
+            value += per_rank * (1 / ws - 1 / ws0)
+        return round(value)
+
+    def _per_rank(self, line: PhaseLine, figure: str) -> dict[str, float]:
+        key = (line.world_sizes, line.checkpointing, figure)
+        if key not in self._per_rank_parts:
+            ws0, ws2 = line.world_sizes[:2]
+            of = getattr(self.runner, figure)
+            fitted = self.runner.line(ws0, line.checkpointing, self.opts.micro_batches, ws2, of=of)
+            self._per_rank_parts[key] = fitted.per_rank or {}
+        return self._per_rank_parts[key]
 
     def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
         """The caching allocator's reserved minus allocated bytes at the cell, as the
@@ -257,10 +267,15 @@ def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
     )  # fmt: skip
 
 
-def _value(line: PhaseLine, phase: str, mb: int, ws: int) -> int:
-    """A held-bytes line's value at one phase (no knee: it is fitted on two runs)."""
-    per_rank = line.per_rank[phase] / ws if line.per_rank else 0.0
-    return round(line.const[phase] + line.slope[phase] * mb + per_rank)
+def _between(at: dict[int, float], x: int) -> float:
+    """``at`` (micro-batch -> value) at ``x``: straight between the nearest two
+    micro-batches, the nearest one's value beyond them."""
+    xs = sorted(at)
+    if x <= xs[0] or x >= xs[-1]:
+        return at[xs[0] if x <= xs[0] else xs[-1]]
+    hi = next(m for m in xs if m >= x)
+    lo = max(m for m in xs if m <= x)
+    return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (x - lo) / (hi - lo)
 
 
 def _scheme_memory(loaded, opts: PlanOptions):
