@@ -15,8 +15,9 @@ already makes (``measure``):
   take the line measured at world size 1 (the step of the whole model).
 
 The same runs give what the flat step held at each phase's peak (``Runner.unheld``,
-``Runner.grads``), fitted as lines too: the step's own bytes are measured apart from
-the flat model's buffers, and a scheme's holdings are put in their place.
+``Runner.grads``; ``_RowMaker._held``): the step's own bytes are measured apart from
+the flat model's buffers and gradients, and a scheme's holdings are put in their
+place.
 
 Whether a scheme's cell fits is the plan's reserved test: the peak plus the
 fragmentation the caching allocator adds, taken from the flat step's replayed runs
