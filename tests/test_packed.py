@@ -26,15 +26,15 @@ runner = CliRunner()
         ("nf4", (4096, 4096), 8_388_608 + 1_048_576 + 64),
         ("fp4", (4096, 4096), 8_388_608 + 1_048_576 + 64),
         # codes + uint8 absmax 262,144 + 1,024 nested float32 absmax (4,096) + the
-        # table 64 + the offset 4
-        ("nf4-dq", (4096, 4096), 8_388_608 + 262_144 + 4_096 + 64 + 4),
+        # table 64 + the offset 4 + the nested 256-entry table 1,024
+        ("nf4-dq", (4096, 4096), 8_388_608 + 262_144 + 4_096 + 64 + 4 + 1_024),
         # int8 weight 16,777,216 + 4,096 float32 row scales
         ("int8", (4096, 4096), 16_777_216 + 16_384),
         # 15 elements: 8 bytes of codes (one half empty), one block's absmax, the table
         ("nf4", (3, 5), 8 + 4 + 64),
         ("int8", (3, 5), 15 + 12),
         # 65 elements: 33 bytes of codes, two blocks; nested: one block of absmax
-        ("nf4-dq", (5, 13), 33 + 2 + 4 + 64 + 4),
+        ("nf4-dq", (5, 13), 33 + 2 + 4 + 64 + 4 + 1_024),
     ],
 )
 def test_packed_bytes_by_hand(kind, shape, expected):
@@ -136,7 +136,14 @@ def test_plan_and_check_take_quantize(llama, tmp_path):
 
 
 def test_packed_layer_saves_only_what_the_plain_layer_saves(llama):
-    """The stand-in saves nothing of its own for backward: the step's activations are
-    those of the unquantized step."""
+    """The 4-bit stand-in saves nothing of its own for backward: the step's activations
+    are those of the unquantized step."""
     plain, packed = fake(llama), fake(llama, quantize="nf4")
     assert packed.original.peak.activations == plain.original.peak.activations
+
+
+def test_int8_layer_keeps_its_input_for_backward(llama):
+    """LLM.int8()'s matmul keeps its input on the autograd context, so activations an
+    unquantized step frees (a projection's input no other op saves) stay alive."""
+    plain, packed = fake(llama), fake(llama, quantize="int8")
+    assert packed.original.peak.activations > plain.original.peak.activations

@@ -1,9 +1,9 @@
 """``plan --scheme``: each scheme's formula, the side-by-side output, its errors.
 
 The fsdp2 and ddp rows against the real engines: ``test_plan_scheme_truth.py``.
-DeepSpeed's ZeRO does not run here (its CPU start builds a C++ op), so the zero
-rows are checked against its documented settings and the allocations its source
-makes (``memory.step_schemes``' note).
+The zero rows against DeepSpeed's real engine, where it is installed:
+``test_plan_zero_truth.py``; here, without it, against its documented settings and
+the allocations its source makes, phase by phase (``memory.step_schemes``' notes).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from yafsdp_cli.memory.step_schemes import (
     DDP_FIRST_BUCKET,
     SCHEMES,
     SchemeSettings,
+    StepAt,
     ZeroConfig,
     check_schemes,
     ddp_buckets,
+    phase_peak,
     scheme_memory,
 )
 
@@ -138,6 +140,44 @@ def test_fsdp2_kept_gathered_holds_every_unit():
     assert kept.persistent == resharded.persistent
     # master weights: float32 shards, bfloat16 gathered (MixedPrecisionPolicy)
     assert resharded.master == 0 and resharded.optimizer > 0
+
+
+def _at(phase: str, scheme: str, ws: int, step: StepAt, settings=None) -> int:
+    m = _memory(scheme, ws, settings)
+    return phase_peak(scheme, phase, m, step, ws, settings or SchemeSettings())
+
+
+def test_zero_stages_hold_per_phase_what_deepspeed_allocates_then():
+    ws = 4
+    z1, z2 = _memory("zero1", ws), _memory("zero2", ws)
+    base = z2.params + z2.optimizer + z2.master + z2.buffers  # whole bf16, partitioned rest
+    before = StepAt(activations=100, temporaries=-10, unheld=30, grads=0)  # own: 120
+    landed = StepAt(activations=100, temporaries=-10, unheld=30, grads=5000)
+    # forward: no gradient and no bucket (made at the first gradient, freed after backward)
+    for s in ("zero1", "zero2"):
+        assert _at("forward", s, ws, landed) == base + 120
+        assert _at("backward", s, ws, before) == base + 120
+    # backward once gradients land: stage 2 copies each into the bucket and its partition
+    # buffer and frees it; stage 1 reduces after backward, so they land whole first
+    assert _at("backward", "zero2", ws, landed) == base + z2.reduce + z2.grads + 120
+    assert _at("backward", "zero1", ws, landed) == base + 5000 + z1.reduce + 120
+    # optimizer: the step's gradients and temporaries, of a 1/ws partition
+    assert _at("optimizer", "zero2", ws, landed) == base + 100 + (20 + 5000) // ws
+    z3 = _memory("zero3", ws)
+    assert _at("forward", "zero3", ws, landed) == z3.total + 120
+    assert _at("optimizer", "zero3", ws, landed) == z3.total - z3.gather + 120
+
+
+def test_fsdp2_kept_gathered_peaks_with_every_unit_and_no_gradient():
+    ws, step = 4, StepAt(activations=100, temporaries=-10, unheld=30, grads=0)
+    kept = SchemeSettings(reshard_after_forward=False)
+    m = _memory("fsdp2", ws, kept)
+    assert _at("forward", "fsdp2", ws, step, kept) == m.total - m.grads - m.reduce + 120
+    assert _at("backward", "fsdp2", ws, step, kept) == m.total - m.grads + 120
+    assert _at("optimizer", "fsdp2", ws, step, kept) == m.total - m.gather - m.reduce + 120
+    # resharding, flat and ddp: their holdings where the reference step's model bytes were
+    for s in ("fsdp2", "flat", "ddp"):
+        assert _at("forward", s, ws, step) == _memory(s, ws).total + 90
 
 
 def _plan(*extra: str):

@@ -8,9 +8,9 @@ it out, so a quantized (QLoRA) base is counted from the bytes it holds.
 - 4-bit with nested ("double") quantization (``nf4-dq``, ``fp4-dq``;
   ``bnb_4bit_use_double_quant``, what the QLoRA paper trains with): the absmax values
   themselves quantized to one uint8 each, in blocks of 256 with one float32 absmax
-  per block (``nested_absmax``), and one float32 ``offset``; their 256-entry code
-  table is one tensor bitsandbytes caches and shares between layers, so it is not
-  counted per layer.
+  per block (``nested_absmax``), one float32 ``offset``, and their own 256-entry
+  float32 code table (``nested_quant_map``), one per layer (bitsandbytes 0.50 makes
+  a tensor for each quantized weight).
 - 8-bit (``int8``; LLM.int8(), ``Linear8bitLt``/``Int8Params``): ``weight`` int8 of
   the weight's own shape and one float32 scale per output row (``SCB``).
 
@@ -28,6 +28,7 @@ from ..errors import YafsdpError
 BLOCK = 64  # elements per absmax block (bnb_4bit's default blocksize)
 NESTED_BLOCK = 256  # absmax values per nested block
 CODES_4BIT = 16  # entries of the nf4/fp4 code table
+CODES_NESTED = 256  # entries of the nested (uint8 absmax) code table
 KINDS = ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
 
 
@@ -66,6 +67,7 @@ def packed_parts(kind: str, shape: tuple[int, ...]) -> tuple[PackedPart, ...]:
             PackedPart("_absmax", (blocks,), "uint8"),
             PackedPart("_nested_absmax", (-(-blocks // NESTED_BLOCK),), "float32"),
             PackedPart("_offset", (), "float32"),
+            PackedPart("_nested_quant_map", (CODES_NESTED,), "float32"),
         ]
     else:
         parts.append(PackedPart("_absmax", (blocks,), "float32"))

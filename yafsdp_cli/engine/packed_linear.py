@@ -1,16 +1,17 @@
 """A stand-in for bitsandbytes' quantized linear layers in a fake step.
 
-bitsandbytes' kernels need a GPU (and are not installed on every machine), and no
-fake kernels exist for them, so ``--quantize`` puts this layer where
-``Linear4bit``/``Linear8bitLt`` would be. It holds exactly the packed tensors of the
-documented format (``packed.packed_parts``): the weight as a frozen uint8/int8
-parameter under the weight's own name, the tensors beside it as buffers. Its
-forward does what bitsandbytes' ``MatMul4Bit`` does with memory: the weight is
-dequantized to its compute dtype, used by ``linear`` and dropped; nothing but the
-packed weight is saved for backward, which dequantizes it again to take the input's
-gradient. The values are not computed (the dequantized weight is ``new_empty``), so
-the layer is for fake steps only: the bytes are the format's, the kernels'
-workspaces (LLM.int8()'s int8 copy of the input and int32 product) are not counted.
+bitsandbytes is not installed on every machine, and no fake kernels exist for its
+ops, so ``--quantize`` puts this layer where ``Linear4bit``/``Linear8bitLt`` would
+be. It holds exactly the packed tensors of the documented format
+(``packed.packed_parts``): the weight as a frozen uint8/int8 parameter under the
+weight's own name, the tensors beside it as buffers. Its forward does what
+bitsandbytes' ``MatMul4Bit`` does with memory: the weight is dequantized to its
+compute dtype, used by ``linear`` and dropped; nothing but the packed weight is saved
+for backward (and, for ``int8``, the input, which ``MatMul8bitLt`` keeps), and
+backward dequantizes it again to take the input's gradient. The values are not
+computed (the dequantized weight is ``new_empty``), so the layer is for fake steps
+only: the bytes are the format's, the kernels' workspaces (LLM.int8()'s int8 copy of
+the input and int32 product, the outlier columns it keeps) are not counted.
 """
 
 from __future__ import annotations
@@ -23,20 +24,23 @@ from .packed import packed_parts
 
 
 class _Dequantized(torch.autograd.Function):
-    """``linear(x, dequantize(packed), bias)``; backward dequantizes again."""
+    """``linear(x, dequantize(packed), bias)``; backward dequantizes again. With
+    ``keeps_input`` the input is kept for backward too, as LLM.int8()'s
+    ``MatMul8bitLt`` keeps it (``ctx.tensors``) whether or not backward reads it."""
 
     @staticmethod
-    def forward(ctx, x, packed, shape, dtype, bias):
+    def forward(ctx, x, packed, shape, dtype, bias, keeps_input):
         weight = packed.new_empty(shape, dtype=dtype).to(x.dtype)  # (out, in), transient
         ctx.shape, ctx.dtype = shape, dtype
-        ctx.save_for_backward(packed)  # held by the layer anyway: no bytes of its own
+        # the packed weight is held by the layer anyway: no bytes of its own
+        ctx.save_for_backward(packed, x) if keeps_input else ctx.save_for_backward(packed)
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
+        packed = ctx.saved_tensors[0]
         weight = packed.new_empty(ctx.shape, dtype=ctx.dtype).to(grad.dtype)
-        return grad @ weight, None, None, None, None  # (..., out) @ (out, in)
+        return grad @ weight, None, None, None, None, None  # (..., out) @ (out, in)
 
 
 class PackedLinear(nn.Module):
@@ -64,7 +68,8 @@ class PackedLinear(nn.Module):
             self.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Dequantized.apply(x, self.weight, self.shape, self.dtype, self.bias)
+        keeps_input = self.kind == "int8"
+        return _Dequantized.apply(x, self.weight, self.shape, self.dtype, self.bias, keeps_input)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

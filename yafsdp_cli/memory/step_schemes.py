@@ -40,6 +40,39 @@ Nothing communicates at world size 1, so no scheme has transients there.
   so at the turn from forward to backward the last ``max_reuse_distance`` elements
   stay gathered (a whole model smaller than that); never more than
   ``max_live_parameters`` at once.
+
+[Note: what each scheme holds at each phase's peak]
+A scheme's peak is the highest phase of what it holds then plus the step's own bytes
+then (``phase_peak``). The step's own bytes come from a fake run of the flat model
+(the reference step: the plan's line at the world size, or at world size 1 for the
+schemes that compute on whole parameters), as ``StepAt``: its activations and
+temporaries beyond the model's bytes, plus what of those bytes it did not hold at that
+moment (gather and gradient buffers not in use, gradients not yet made), so that its
+own bytes stand free of the flat model's buffers. Then, at world sizes above 1:
+
+- ``flat``, ``ddp`` and ``fsdp2`` resharding after forward hold what the reference
+  holds at the same moments, in their own sizes: their bytes stand where the
+  reference's model bytes stood (the flat model's buffers for FSDP2's root, units in
+  flight and reduce-scatter input; the whole step's gradients for DDP, beside its
+  buckets).
+- ``fsdp2`` keeping every unit gathered: the shards and every gathered unit in
+  forward (no gradient exists: ``zero_grad(set_to_none=True)``), plus one
+  reduce-scatter input in backward; after backward every unit is resharded and
+  the sharded gradients remain.
+- ``zero1`` / ``zero2``: whole parameters and the partitioned optimizer states and
+  masters throughout, and no gradient or bucket in forward: DeepSpeed allocates its
+  buckets when the first gradient lands and frees them, with the partition's
+  gradient buffer, once the step is over. Stage 2 reduces in the gradient hooks:
+  each gradient is copied into the bucket and freed, those of the rank's partition
+  into a ``1/world_size`` buffer. Stage 1 (``overlap_comm`` off) reduces after
+  backward, so its gradients land whole first, as in the reference. So the backward
+  holds the bucket and partition buffer only where the reference's backward peak
+  has gradients already. The optimizer phase converts the partition's gradients to
+  float32 and steps them: the reference step's gradients and optimizer temporaries,
+  ``1/world_size`` of them.
+- ``zero3``: its partitions, the whole persistent parameters, the partition's
+  gradient buffer and the bucket throughout (all allocated once, at the engine's
+  start), the gathered parameters in forward and backward, released after backward.
 """
 
 from __future__ import annotations
@@ -191,3 +224,55 @@ def _zero3(layout, cfg, zero: ZeroConfig, report, tensors) -> MemoryBreakdown:
     return dataclasses.replace(
         base, params=params, gather=live * itemsize, reduce=ipg_bucket(tensors, cfg, zero)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class StepAt:
+    """The reference step (a fake run's line) at one phase's peak: its activations,
+    its temporaries beyond the model's bytes there, what of those model bytes it did
+    not hold then (buffers not in use, gradients not yet made), and the gradients it
+    held."""
+
+    activations: int
+    temporaries: int
+    unheld: int
+    grads: int
+
+    @property
+    def own(self) -> int:
+        """The step's own bytes alive then: activations and temporaries."""
+        return self.activations + self.temporaries + self.unheld
+
+
+def phase_peak(
+    scheme: str, phase: str, m: MemoryBreakdown, step: StepAt, world_size: int,
+    settings: SchemeSettings,
+) -> int:  # fmt: skip
+    """One rank's bytes at ``phase``'s peak under ``scheme``: what it holds then
+    (see the note on phases) plus the step's own bytes; ``m`` is
+    ``scheme_memory``'s."""
+    kept_gathered = scheme == "fsdp2" and not settings.reshard_after_forward
+    if world_size == 1 or scheme in ("flat", "ddp") or (scheme == "fsdp2" and not kept_gathered):
+        return m.total + step.activations + step.temporaries
+    if scheme in ("zero1", "zero2"):
+        return _zero12_at(scheme, phase, m, step, world_size)
+    if scheme == "zero3":  # the gathered parameters are released after backward
+        return m.total - (m.gather if phase == "optimizer" else 0) + step.own
+    held = m.total - m.grads - m.reduce  # shards and every unit gathered, no gradient
+    if phase == "backward":
+        held += m.reduce
+    elif phase == "optimizer":
+        held += m.grads - m.gather
+    return held + step.own
+
+
+def _zero12_at(scheme: str, phase: str, m: MemoryBreakdown, step: StepAt, n: int) -> int:
+    base = m.params + m.optimizer + m.master + m.buffers
+    if phase == "forward":
+        return base + step.own
+    if phase == "optimizer":  # a partition's gradients made float32, and its step
+        return base + step.activations + (step.own - step.activations + step.grads) // n
+    landed = step.grads > 0  # the bucket and partition buffer come with the first
+    if scheme == "zero1":  # reduced after backward: every gradient lands whole first
+        return base + step.grads + (m.reduce if landed else 0) + step.own
+    return base + ((m.reduce + m.grads) if landed else 0) + step.own

@@ -42,10 +42,14 @@ def plan_source(source, *, model=None, trust_pickle=False, opts: PlanOptions) ->
     return dataclasses.replace(report, source_path=path, model=model, options=opts)
 
 
-def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> PlanReport:
+def plan_model(
+    loaded, opts: PlanOptions, *, origin: Origin | None = None, scheme_settings=None
+) -> PlanReport:
     """The plan of ``loaded`` (``sources.load_source``); see the module docstring.
     With ``origin`` (what loads the same source again) the fake runs may use several
-    processes (``pool``); without, they all run here."""
+    processes (``pool``); without, they all run here. ``scheme_settings``
+    (``memory.step_schemes.SchemeSettings``): the ``--scheme`` rows' knobs, their
+    defaults where None."""
     start = time.perf_counter()
     if loaded.module is None:
         loaded.build_module()  # raises: measuring activations needs an architecture
@@ -84,7 +88,9 @@ def plan_model(loaded, opts: PlanOptions, *, origin: Origin | None = None) -> Pl
         report = with_timing(report, rows, timer, opts)
     if opts.schemes != ("flat",):
         sizes = tuple(dict.fromkeys(r.world_size for r in rows))  # the plan's own grid
-        schemes = compare_schemes(loaded, opts, runner, lines, _line_for, fit, sizes)
+        schemes = compare_schemes(
+            loaded, opts, runner, lines, _line_for, fit, sizes, scheme_settings
+        )
         report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))

@@ -26,6 +26,9 @@ from .pool import Key, Origin, run_cells
 from .reserved_fit import plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
+# a run's figures beside its phase peaks: what the model held at each phase's peak
+# (parameters, gradients, optimizer states, buffers), and of that its gradients
+HELD, GRADS = "held:", "grads:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,9 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
         traces=traces,
     )
     figures = dict(step.phase_peaks)
+    for p, b in step.phase_breakdowns.items():
+        figures[HELD + p] = b.parameters + b.gradients + b.optimizer + b.buffers
+        figures[GRADS + p] = b.gradients
     if traces:
         figures.update(replayed(traces["converted"], confs))
     return figures
@@ -153,18 +159,42 @@ class Runner:
 
     def excess(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
         """Each phase's measured peak minus the model's bytes at ``world_size``."""
-        key = (world_size, micro_batch, checkpointing)
-        if key not in self._peaks:
-            self._peaks[key] = self._measure(key)
-        peaks = self._peaks[key]
+        peaks = self._run(world_size, micro_batch, checkpointing)
         base = self.model_total(world_size)
         return {p: peaks[p] - base for p in PHASES if p in peaks}
 
-    def line(self, ws: int, checkpointing: str, micro_batches, ws2: int | None) -> PhaseLine:
+    def unheld(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
+        """Per phase, the model's bytes at ``world_size`` minus what the step held of
+        them at that phase's peak: buffers not in use then, gradients not yet made."""
+        peaks = self._run(world_size, micro_batch, checkpointing)
+        base = self.model_total(world_size)
+        return {p: base - peaks[HELD + p] for p in PHASES if HELD + p in peaks}
+
+    def grads(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
+        """Per phase, the gradients alive at that phase's peak."""
+        peaks = self._run(world_size, micro_batch, checkpointing)
+        return {p: peaks[GRADS + p] for p in PHASES if GRADS + p in peaks}
+
+    def _run(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
+        key = (world_size, micro_batch, checkpointing)
+        if key not in self._peaks:
+            self._peaks[key] = self._measure(key)
+        return self._peaks[key]
+
+    def line(
+        self,
+        ws: int,
+        checkpointing: str,
+        micro_batches,
+        ws2: int | None,
+        of: Callable | None = None,
+    ) -> PhaseLine:
         """Two runs at ``ws`` (one if the grid has one micro-batch), fitted per
-        phase, and one at ``ws2`` (if given) for the per-rank part."""
+        phase, and one at ``ws2`` (if given) for the per-rank part; of the runs'
+        ``excess`` or another per-phase figure ``of(ws, mb, checkpointing)``."""
+        of = of or self.excess
         points = sorted(set(micro_batches))[:2]
-        measured = [self.excess(ws, mb, checkpointing) for mb in points]
+        measured = [of(ws, mb, checkpointing) for mb in points]
         if len(points) == 1:  # one point: proportional through zero, exact there
             slope = _slopes(measured[0], points[0])
         else:
@@ -173,7 +203,7 @@ class Runner:
         const = {p: measured[0][p] - slope[p] * points[0] for p in slope}
         if ws2 is None:
             return PhaseLine((ws,), checkpointing, const, slope)
-        other = self.excess(ws2, points[0], checkpointing)
+        other = of(ws2, points[0], checkpointing)
         const2 = {p: other[p] - slope[p] * points[0] for p in const if p in other}
         per_rank = {p: (const[p] - const2[p]) / (1 / ws - 1 / ws2) for p in const2}
         base = {p: const[p] - per_rank[p] / ws for p in per_rank}

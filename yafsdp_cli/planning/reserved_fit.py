@@ -160,7 +160,7 @@ def _up_to(n: float, step: int) -> int:
 
 
 def _peak(figures: dict[str, int]) -> int:
-    return max(v for k, v in figures.items() if not k.startswith(RESERVED))
+    return max(v for k, v in figures.items() if ":" not in k)  # the phase peaks alone
 
 
 def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):

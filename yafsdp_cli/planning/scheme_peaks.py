@@ -1,19 +1,23 @@
 """``plan --scheme``: the step's peak per rank under FSDP2, ZeRO-1/2/3 and DDP beside
 the flat scheme, over the plan's grid.
 
-A scheme's peak at (world size, micro-batch, checkpointing) is what it holds
-(``memory.step_schemes``: persistent bytes and its gathered parameters and
-gradient buffers) plus the highest phase of the step's own bytes, activations and
-temporaries, from the fake runs the plan already makes (``measure``):
+A scheme's peak at (world size, micro-batch, checkpointing) is the highest phase of
+what it holds then (``memory.step_schemes.phase_peak``: persistent bytes, gathered
+parameters, gradients and their buffers as the scheme has them at that phase) plus
+the step's own bytes then, activations and temporaries, from the fake runs the plan
+already makes (``measure``):
 
 - schemes that compute on sharded-then-gathered units (flat, fsdp2, zero3) take the
   plan's line at that world size, as the flat rows do: the same activations, and
   temporaries whose per-rank part (gradients not yet reduced, optimizer
   temporaries) scales with ``1/world_size``;
 - schemes whose forward and backward run on whole parameters (ddp, zero1, zero2)
-  take the line measured at world size 1 (the step of the whole model); ZeRO-1/2's
-  optimizer steps a ``1/world_size`` partition, so their optimizer phase's
-  temporaries are divided by the world size.
+  take the line measured at world size 1 (the step of the whole model).
+
+The same runs give what the flat step held at each phase's peak (``Runner.unheld``,
+``Runner.grads``; ``_RowMaker._held``): the step's own bytes are measured apart from
+the flat model's buffers and gradients, and a scheme's holdings are put in their
+place.
 
 Whether a scheme's cell fits is the plan's reserved test: the peak plus the
 fragmentation the caching allocator adds, taken from the flat step's replayed runs
@@ -37,7 +41,13 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspect.build import retype_params
 from ..memory import estimate_memory
-from ..memory.step_schemes import WHOLE_PARAMS, SchemeSettings, scheme_memory
+from ..memory.step_schemes import (
+    WHOLE_PARAMS,
+    SchemeSettings,
+    StepAt,
+    phase_peak,
+    scheme_memory,
+)
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
 from .reserved_fit import ReservedFit, keeping_margin
@@ -104,17 +114,20 @@ def compare_schemes(
     line_for: Callable,
     fit: ReservedFit,
     sizes: tuple[int, ...],
+    settings: SchemeSettings | None = None,
 ) -> tuple[SchemePlan, ...]:
     """Every scheme of ``opts.schemes`` over the plan's grid of world sizes
     (``sizes``); ``lines``, ``line_for`` and ``fit`` are the plan's (``fit_grid``),
-    ``runner`` measures the world-size-1 line if needed."""
+    ``runner`` measures the world-size-1 line if needed; ``settings``: the schemes'
+    knobs (their defaults where None)."""
+    settings = settings or SchemeSettings()
     whole = {}
     if any(s in WHOLE_PARAMS for s in opts.schemes):
         for ck in opts.checkpointing:
             whole[ck] = lines.get((ck, 1)) or runner.line(1, ck, opts.micro_batches, None)
     line_at = lambda ck, ws: line_for(lines, ck, ws)  # noqa: E731
-    rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit)
-    rows.whole = whole
+    rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit, runner)
+    rows.whole, rows.settings = whole, settings
     grids = {
         s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
                  for mb in opts.micro_batches)
@@ -128,24 +141,65 @@ def compare_schemes(
 class _RowMaker:
     """``(scheme, world size, micro-batch, checkpointing) -> SchemeRow``."""
 
-    def __init__(self, opts: PlanOptions, memory: Callable, line_at: Callable, fit: ReservedFit):
+    def __init__(self, opts, memory: Callable, line_at: Callable, fit: ReservedFit, runner):
         self.opts, self.memory, self.line_at, self.fit = opts, memory, line_at, fit
+        self.runner = runner
         self.whole: dict[str, PhaseLine] = {}  # checkpointing -> the world-size-1 line
+        self.settings = SchemeSettings()
+        self._per_rank_parts: dict[tuple, dict[str, float]] = {}
 
     def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
-        opts = self.opts
+        settings = settings or self.settings
         full = scheme in WHOLE_PARAMS
         line = self.whole[ck] if full else self.line_at(ck, ws)
-        partition = ws if scheme in ("zero1", "zero2") else 1
-        phase, act, temp = _highest_phase(line, mb, 1 if full else ws, partition)
-        m = self.memory(scheme, ws, settings or SchemeSettings())
-        peak = m.total + act + temp
+        m = self.memory(scheme, ws, settings)
+        steps = self._steps(line, mb, 1 if full else ws)
+        phase, peak = max(
+            ((p, phase_peak(scheme, p, m, at, ws, settings)) for p, at in steps.items()),
+            key=lambda pair: pair[1],
+        )
+        act = steps[phase].activations
         reserved = peak + self._fragmentation(ws, mb, ck)
         needed = reserved + self.fit.outside(ws).total
         return SchemeRow(
             scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
-            act, temp, phase, needed <= opts.gpu_memory,
+            act, peak - m.total - act, phase, needed <= self.opts.gpu_memory,
         )  # fmt: skip
+
+    def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
+        """The reference step at each phase's peak (``StepAt``): ``line``'s figures,
+        and what the step held then (``_held``)."""
+        out = {}
+        for p in line.const:
+            _, act, temp = _one_phase(line, p).at(mb, ws)
+            unheld, grads = (self._held(line, f, p, mb, ws) for f in ("unheld", "grads"))
+            out[p] = StepAt(act, temp, unheld, max(grads, 0))
+        return out
+
+    def _held(self, line: PhaseLine, figure: str, phase: str, mb: int, ws: int) -> int:
+        """What the runs behind ``line`` held at ``phase``'s peak (``Runner.unheld`` or
+        ``Runner.grads``) at ``mb`` and ``ws``: between the micro-batches run at the
+        line's world size, straight between the nearest two, beyond them the nearest
+        one's (which moment is a phase's peak moves with the micro-batch, and settles
+        once activations dominate); the per-rank part fitted as the line's is."""
+        ws0, ck = line.world_sizes[0], line.checkpointing
+        of = getattr(self.runner, figure)
+        runs = sorted(k[1] for k in self.runner.made() if k[0] == ws0 and k[2] == ck)
+        at = {m: of(ws0, m, ck)[phase] for m in runs}
+        value = _between(at, mb)
+        if len(line.world_sizes) > 1:
+            per_rank = self._per_rank(line, figure)[phase]
+            value += per_rank * (1 / ws - 1 / ws0)
+        return round(value)
+
+    def _per_rank(self, line: PhaseLine, figure: str) -> dict[str, float]:
+        key = (line.world_sizes, line.checkpointing, figure)
+        if key not in self._per_rank_parts:
+            ws0, ws2 = line.world_sizes[:2]
+            of = getattr(self.runner, figure)
+            fitted = self.runner.line(ws0, line.checkpointing, self.opts.micro_batches, ws2, of=of)
+            self._per_rank_parts[key] = fitted.per_rank or {}
+        return self._per_rank_parts[key]
 
     def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
         """The caching allocator's reserved minus allocated bytes at the cell, as the
@@ -153,7 +207,7 @@ class _RowMaker:
         allocate the same activations and temporaries)."""
         if not self.fit.confs:
             return 0
-        _, act, temp = _highest_phase(self.line_at(ck, ws), mb, ws, 1)
+        _, act, temp = self.line_at(ck, ws).at(mb, ws)
         flat = self.memory("flat", ws, SchemeSettings()).total + act + temp
         return self.fit.reserved_at((ws, mb, ck), flat, 0) - flat
 
@@ -166,12 +220,13 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     mine = next((r for r in rows if _key(r) == key), None)
     saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
     plan = SchemePlan(
-        scheme, SETTINGS[scheme], rows, _smallest(rows, opts), best, key,
+        scheme, configuration(scheme, make.settings), rows, _smallest(rows, opts), best, key,
         flat.peak_bytes if flat else None, saves,
     )  # fmt: skip
     if scheme != "fsdp2" or best is None or best.world_size == 1:
         return plan
-    kept = make(scheme, *_key(best), settings=SchemeSettings(reshard_after_forward=False))
+    no_reshard = dataclasses.replace(make.settings, reshard_after_forward=False)
+    kept = make(scheme, *_key(best), settings=no_reshard)
     return dataclasses.replace(
         plan, no_reshard_peak_bytes=kept.peak_bytes, no_reshard_fits=kept.fits
     )
@@ -181,28 +236,47 @@ def _key(r: SchemeRow) -> tuple[int, int, str]:
     return (r.world_size, r.micro_batch, r.checkpointing)
 
 
-SETTINGS = {  # what each scheme's rows assume, in its own terms
-    "flat": "2 all-gather + 2 gradient buffers of the largest unit",
-    "fsdp2": "reshard_after_forward=True",
-    "ddp": "bucket_cap_mb=25, gradient_as_bucket_view=False",
-    "zero1": "reduce_bucket_size=5e8, contiguous_gradients",
-    "zero2": "reduce_bucket_size=5e8, contiguous_gradients",
-    "zero3": "prefetch 5e7, max live 1e9, reuse distance 1e9, persistence 1e5, "
-    "reduce_bucket_size=5e8",
-}
+def configuration(scheme: str, settings: SchemeSettings) -> str:
+    """What a scheme's rows assume, in its own terms."""
+    z = settings.zero
+    bucket = f"reduce_bucket_size={_short(z.reduce_bucket_size)}"
+    return {
+        "flat": "2 all-gather + 2 gradient buffers of the largest unit",
+        "fsdp2": f"reshard_after_forward={settings.reshard_after_forward}",
+        "ddp": f"bucket_cap_mb=25, gradient_as_bucket_view={settings.ddp_bucket_view}",
+        "zero1": f"{bucket}, contiguous_gradients",
+        "zero2": f"{bucket}, contiguous_gradients",
+        "zero3": f"prefetch {_short(z.prefetch_bucket_size)}, max live "
+        f"{_short(z.max_live_parameters)}, reuse distance {_short(z.max_reuse_distance)}, "
+        f"persistence {_short(z.param_persistence_threshold)}, {bucket}",
+    }[scheme]
 
 
-def _highest_phase(line: PhaseLine, mb: int, ws: int, partition: int) -> tuple[str, int, int]:
-    """(phase, activations, temporaries) of the highest phase; the optimizer phase's
-    temporaries divided by ``partition`` (the share of the optimizer a rank steps)."""
-    best = None
-    for p in line.const:
-        _, act, temp = dataclasses.replace(line, const={p: line.const[p]}).at(mb, ws)
-        if p == "optimizer":
-            temp = round(temp / partition)
-        if best is None or act + temp > best[1] + best[2]:
-            best = (p, act, temp)
-    return best
+def _short(n: int) -> str:
+    """``500_000_000`` -> ``"5e8"``; a number that is not one digit and zeros as it is."""
+    text = f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+    return text if float(text) == n else str(n)
+
+
+def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
+    """``line`` with ``phase`` alone, so that ``at`` gives that phase's figures."""
+    keep = lambda d: {phase: d[phase]} if d is not None else None  # noqa: E731
+    upper = line.upper and (keep(line.upper[0]), keep(line.upper[1]))
+    return dataclasses.replace(
+        line, const=keep(line.const), slope=keep(line.slope), per_rank=keep(line.per_rank),
+        upper=upper,
+    )  # fmt: skip
+
+
+def _between(at: dict[int, float], x: int) -> float:
+    """``at`` (micro-batch -> value) at ``x``: straight between the nearest two
+    micro-batches, the nearest one's value beyond them."""
+    xs = sorted(at)
+    if x <= xs[0] or x >= xs[-1]:
+        return at[xs[0] if x <= xs[0] else xs[-1]]
+    hi = next(m for m in xs if m >= x)
+    lo = max(m for m in xs if m <= x)
+    return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (x - lo) / (hi - lo)
 
 
 def _scheme_memory(loaded, opts: PlanOptions):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..memory.outside_allocator import OutsideAllocator
 from .tracker import Breakdown, ModuleMemory, PhaseSeries
@@ -57,6 +57,9 @@ class StepProfile:
     wall_s: float
     series: tuple[PhaseSeries, ...] = ()  # bytes alive through each phase, for charts
     reserved: ReservedPeak | None = None  # CUDA's caching allocator's figures (target cuda)
+    # each phase's peak by category (``phase_peaks`` split): what the schemes' rows
+    # take the step's own bytes from
+    phase_breakdowns: dict[str, Breakdown] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

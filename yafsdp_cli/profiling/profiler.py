@@ -273,6 +273,7 @@ def _profile_step(
         wall_s=wall,
         series=timeline.series,
         reserved=reserved_peak(trace, holding) if holding is not None else None,
+        phase_breakdowns=timeline.phase_breakdowns,
     )
 
 

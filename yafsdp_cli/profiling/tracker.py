@@ -39,7 +39,7 @@ activations less what no module made (the batch, the loss).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -108,6 +108,8 @@ class Timeline:
     blocks: int  # storages seen
     peak_by_module: dict[str, int]  # activation bytes alive at the peak, by maker
     series: tuple[PhaseSeries, ...] = ()  # forward, backward, optimizer
+    # each phase's peak by category: what was alive at that phase's highest moment
+    phase_breakdowns: dict[str, Breakdown] = field(default_factory=dict)
 
 
 def op_tensors(*groups) -> list[torch.Tensor]:
@@ -299,6 +301,7 @@ class _Replay:
         self.peak = dict(self.sums)
         self.phase = self.peak_phase = "setup"
         self.phase_peaks: dict[str, int] = {}
+        self.phase_sums: dict[str, dict[str, int]] = {}  # phase -> sums at its peak
         self.event = self.peak_event = -1  # index of the event that set the peak
         self.alive: dict[int, int] = {}
         self.order = list(modules)
@@ -350,6 +353,7 @@ class _Replay:
     def _bump_phase(self) -> None:
         if self.total > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.total
+            self.phase_sums[self.phase] = dict(self.sums)
 
     def _bump_modules(self) -> None:
         for active, peaks in ((self.fwd, self.fwd_peak), (self.bwd, self.bwd_peak)):
@@ -383,6 +387,7 @@ class _Replay:
                 for p in PHASES
                 if p in self.trace
             ),
+            phase_breakdowns={p: Breakdown(**v) for p, v in self.phase_sums.items() if p in PHASES},
         )
 
 
