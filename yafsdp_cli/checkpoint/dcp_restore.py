@@ -18,7 +18,6 @@ output needs ``--force``, and a folder that is not a DCP checkpoint is never rep
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..engine import dtypes
 from ..errors import CheckpointError
 from .reader import FlatCheckpoint
 from .results import Progress, RestoreResult, WrittenFile
-from .writer import staged_output
+from .writer import existing_folder_output, staged_output
 
 METADATA_NAME = ".metadata"
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
@@ -74,21 +73,9 @@ def check_dcp_name(out: Path) -> None:
 def check_dcp_output(out: Path, *, inputs: list[Path], force: bool) -> None:
     """Refuse an output that is (or holds) an input, that exists without ``--force``,
     or that is anything but a DCP checkpoint folder (never replaced, even forced)."""
-    target = out.resolve()
-    for p in inputs:
-        src = p.resolve()
-        if src == target or target in src.parents or _samefile(out, p):
-            raise CheckpointError(
-                f"output {out} is the input {p} (or holds it); the input is never modified: "
-                "choose another -o"
-            )
-    if not out.exists() and not out.is_symlink():
+    names = existing_folder_output(out, inputs=inputs, force=force, kind="a DCP checkpoint")
+    if names is None:
         return
-    if not force:
-        raise CheckpointError(f"output {out} exists; pass --force to overwrite it")
-    if not out.is_dir():
-        raise CheckpointError(f"output {out} exists and is a file; a DCP checkpoint is a folder")
-    names = [p.name for p in out.iterdir()]
     strangers = [n for n in names if n != METADATA_NAME and not _DATA_FILE.fullmatch(n)]
     if strangers or (names and METADATA_NAME not in names):
         raise CheckpointError(
@@ -96,13 +83,6 @@ def check_dcp_output(out: Path, *, inputs: list[Path], force: bool) -> None:
             f"{', '.join(sorted(strangers)[:3]) or 'no .metadata'}); it is never replaced, "
             "even with --force: choose another -o"
         )
-
-
-def _samefile(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def write_dcp(

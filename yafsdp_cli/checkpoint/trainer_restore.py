@@ -23,7 +23,7 @@ from .optim_state import file_bytes
 from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, WrittenFile
 from .train_restore import extras_of, nest, training_items
-from .writer import staged_output, write_safetensors
+from .writer import existing_folder_output, staged_output, write_safetensors
 
 OPTIMIZER_FILE = "optimizer.pt"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -69,22 +69,10 @@ def check_trainer_output(out: Path, *, inputs: list[Path], force: bool, names: s
         )
     if not out.parent.is_dir():
         raise CheckpointError(f"output {out}: its folder {out.parent} does not exist")
-    target = out.resolve()
-    for p in inputs:
-        if p.resolve() == target or target in p.resolve().parents:
-            raise CheckpointError(
-                f"output {out} is the input {p} (or holds it); the input is never modified: "
-                "choose another -o"
-            )
-    if not out.exists() and not out.is_symlink():
+    found = existing_folder_output(out, inputs=inputs, force=force, kind="a Trainer checkpoint")
+    if found is None:
         return
-    if not force:
-        raise CheckpointError(f"output {out} exists; pass --force to overwrite it")
-    if not out.is_dir():
-        raise CheckpointError(
-            f"output {out} exists and is a file; a Trainer checkpoint is a folder"
-        )
-    strangers = sorted(p.name for p in out.iterdir() if p.name not in names)
+    strangers = sorted(n for n in found if n not in names)
     if strangers:
         raise CheckpointError(
             f"output {out} is a folder that holds {', '.join(strangers[:3])}, which this "

@@ -230,6 +230,30 @@ def check_output(out: Path, *, inputs: Sequence[Path], force: bool, folder: bool
             )
 
 
+def existing_folder_output(
+    out: Path, *, inputs: Sequence[Path], force: bool, kind: str
+) -> list[str] | None:
+    """For a command that writes a folder of another tool's format (``kind``: "a DCP
+    checkpoint"): refuse an output that is (or holds) an input, or exists without
+    ``--force``, or is a file. The names in the existing folder, for the caller to
+    refuse what it would not write; None where ``out`` does not exist."""
+    target = out.resolve()
+    for p in inputs:
+        src = p.resolve()
+        if src == target or target in src.parents or (out.exists() and _samefile(out, p)):
+            raise CheckpointError(
+                f"output {out} is the input {p} (or holds it); the input is never modified: "
+                "choose another -o"
+            )
+    if not out.exists() and not out.is_symlink():
+        return None
+    if not force:
+        raise CheckpointError(f"output {out} exists; pass --force to overwrite it")
+    if not out.is_dir():
+        raise CheckpointError(f"output {out} exists and is a file; {kind} is a folder")
+    return [p.name for p in out.iterdir()]
+
+
 def _ours(name: str) -> bool:
     return name == INDEX_NAME or bool(_RANK_FILE.fullmatch(name))
 
