@@ -25,7 +25,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..errors import CheckpointError
 from .reader import FlatCheckpoint
-from .results import Progress, RestoreResult, WrittenFile
+from .results import Progress, RestoreResult, restored
 from .writer import existing_folder_output, staged_output
 
 METADATA_NAME = ".metadata"
@@ -49,17 +49,8 @@ def restore_dcp(
     with staged_output(out, folder=True) as staged:
         write_dcp(staged.temp, by_name, progress)
         nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
-    return RestoreResult(
-        input=str(ckpt.root),
-        input_world_size=ckpt.layout.world_size,
-        input_sharded=ckpt.sharded,
-        checked=checked,
-        output=WrittenFile(str(out), None, nbytes, {}),
-        format="dcp",
-        tensors=len(by_name),
-        names=len(by_name),
-        tied={},  # nothing is dropped: tied names are each written
-    )
+    # nothing is dropped: tied names are each written
+    return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="dcp", tensors=len(by_name))
 
 
 def check_dcp_name(out: Path) -> None:

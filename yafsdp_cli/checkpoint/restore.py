@@ -26,7 +26,7 @@ from .copy import Copier
 from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat
-from .results import Progress, RestoreResult, WrittenFile
+from .results import Progress, RestoreResult, restored
 from .writer import check_output, staged_output, write_safetensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
@@ -102,16 +102,8 @@ def restore_checkpoint(
             write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
             checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
-    return RestoreResult(
-        input=str(ckpt.root),
-        input_world_size=ckpt.layout.world_size,
-        input_sharded=ckpt.sharded,
-        checked=checked,
-        output=WrittenFile(str(out), None, nbytes, {}),
-        format=fmt,
-        tensors=len(items),
-        names=len(items) + len(tied),
-        tied=tied,
+    return restored(
+        ckpt, out, nbytes=nbytes, checked=checked, fmt=fmt, tensors=len(items), tied=tied
     )
 
 

@@ -82,10 +82,27 @@ class RestoreResult:
     input_sharded: bool
     checked: int  # stored tensors whose checksums and padding were verified
     output: WrittenFile
-    format: str  # "safetensors" or "pt"
+    format: str  # "safetensors", "pt", "dcp" or "trainer"
     tensors: int  # tensors written (a tied tensor once)
     names: int  # names restored (tied names each)
     tied: dict[str, str]  # dropped name -> stored name, as safetensors.torch.save_model
+
+
+def restored(ckpt, out, *, nbytes: int, checked: int, fmt: str, tensors: int, tied=None):
+    """The ``RestoreResult`` of writing ``nbytes`` to ``out`` from flat checkpoint
+    ``ckpt``; names are the tensors written plus the tied names dropped."""
+    tied = tied or {}
+    return RestoreResult(
+        input=str(ckpt.root),
+        input_world_size=ckpt.layout.world_size,
+        input_sharded=ckpt.sharded,
+        checked=checked,
+        output=WrittenFile(str(out), None, nbytes, {}),
+        format=fmt,
+        tensors=tensors,
+        names=tensors + len(tied),
+        tied=tied,
+    )
 
 
 @dataclass(frozen=True, slots=True)

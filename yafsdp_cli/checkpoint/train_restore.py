@@ -21,7 +21,7 @@ from ..sources.state import IntKey
 from .format import TensorSlot
 from .optim_state import SEP, OptimState, decode, path_of
 from .reader import FlatCheckpoint, StateDictItem
-from .results import Progress, RestoreResult, WrittenFile
+from .results import Progress, RestoreResult, restored
 
 FORMS = {"dcp": "dcp", "pt": "pt", "trainer": "trainer"}  # record form -> restore --format
 
@@ -111,17 +111,7 @@ def restore_training(
         nbytes, checked = _write_dcp(ckpt, out, tensors, force=force, progress=progress)
     else:
         nbytes, checked = _write_pt(ckpt, out, tensors, force=force, progress=progress)
-    return RestoreResult(
-        input=str(ckpt.root),
-        input_world_size=ckpt.layout.world_size,
-        input_sharded=ckpt.sharded,
-        checked=checked,
-        output=WrittenFile(str(out), None, nbytes, {}),
-        format=fmt,
-        tensors=len(tensors),
-        names=len(tensors),
-        tied={},
-    )
+    return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt=fmt, tensors=len(tensors))
 
 
 def _write_dcp(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from .copy import Copier
 from .format import YAFSDP_KEYS
 from .optim_state import file_bytes
 from .reader import FlatCheckpoint, StateDictItem
-from .results import Progress, RestoreResult, WrittenFile
+from .results import Progress, RestoreResult, restored
 from .train_restore import extras_of, nest, training_items
 from .writer import existing_folder_output, staged_output, write_safetensors
 
@@ -46,17 +46,8 @@ def restore_trainer(
         for name, data in files.items():
             (staged.temp / name).write_bytes(data)
         nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
-    return RestoreResult(
-        input=str(ckpt.root),
-        input_world_size=ckpt.layout.world_size,
-        input_sharded=ckpt.sharded,
-        checked=checked,
-        output=WrittenFile(str(out), None, nbytes, {}),
-        format="trainer",
-        tensors=sum(len(v) for v in optim.weights.values()),
-        names=sum(len(v) for v in optim.weights.values()),
-        tied={},
-    )
+    tensors = sum(len(v) for v in optim.weights.values())
+    return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="trainer", tensors=tensors)
 
 
 def check_trainer_output(out: Path, *, inputs: list[Path], force: bool, names: set[str]) -> None:
