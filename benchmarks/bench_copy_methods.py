@@ -18,7 +18,9 @@ Ways with a checksum give the CRC-32 that ``convert`` stores; ``cp`` computes no
   fallback where ``copy_file_range`` is refused, e.g. across file systems);
 * ``copy_file_range``, then the CRC read back from the page cache (two passes in
   one thread), and with the read back in a second thread meanwhile (what ``Copier``
-  does), also without ``fallocate``;
+  does), also without ``fallocate``, and with the output shifted by 100 bytes, so
+  that no page of the output lines up with a page of the input (what a flat file
+  whose header is not padded to the source's page offset gets, ``writer.py``);
 * one buffered pass: ``preadv`` into a 4 MiB buffer, CRC-32, ``pwrite`` (what
   ``Copier`` does where no kernel copy works); the same with zlib's CRC-32 instead
   of isal's (``checkpoint/crc.py``);
@@ -49,7 +51,11 @@ from .bench_convert import make_checkpoint
 from .common import DATA, MiB
 
 REPEAT = 7
+SHIFTED = "the same, output off the page"
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to the device's block
+
+
+SHIFT = 100  # bytes: the output's offset in the page-shifted way
 
 
 def _copy_into(out: Path, size: int, work) -> None:
@@ -119,10 +125,10 @@ def methods(src: Path, out: Path) -> dict:
         kernel(fd)
         Copier().hash(whole, Checksum())
 
-    def kernel_with_crc_thread(fd, reserve=True):  # what Copier.copy does with a digest
+    def kernel_with_crc_thread(fd, reserve=True, at=0):  # what Copier.copy does with a digest
         c = Copier()
         c.reserve = reserve
-        c.copy(whole, fd, 0, Checksum())
+        c.copy(whole, fd, at, Checksum())
 
     def one_pass(fd):
         c = Copier()
@@ -144,11 +150,15 @@ def methods(src: Path, out: Path) -> dict:
         "copy_file_range, then CRC read back": kernel_then_crc,
         "copy_file_range + CRC thread (yafsdp)": kernel_with_crc_thread,
         "the same, no fallocate ": lambda fd: kernel_with_crc_thread(fd, reserve=False),
+        SHIFTED: lambda fd: kernel_with_crc_thread(fd, at=SHIFT),
         "one buffered pass with CRC": one_pass,
         "the same, zlib CRC": one_pass_zlib,
         "O_DIRECT writes with CRC": lambda fd: direct_copy(src, out, fd),
     }
-    return {k: (lambda w=w: _copy_into(out, size, w)) if w else None for k, w in table.items()}
+    sizes = {k: size + (SHIFT if k == SHIFTED else 0) for k in table}
+    return {
+        k: (lambda w=w, n=sizes[k]: _copy_into(out, n, w)) if w else None for k, w in table.items()
+    }
 
 
 def _cpu_s() -> float:
@@ -158,9 +168,9 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _check(name: str, out: Path, want: FileRange, crc: int) -> None:
+def _check(name: str, out: Path, at: int, want: FileRange, crc: int) -> None:
     """Every way must copy the bytes, or its time means nothing (not timed)."""
-    if Copier().crc_of(FileRange(out, 0, want.nbytes)) != crc:
+    if Copier().crc_of(FileRange(out, at, want.nbytes)) != crc:
         raise SystemExit(f"{name}: the copy's bytes differ from the input's")
 
 
@@ -189,7 +199,7 @@ def main() -> bool:
                 table[name]()
             times[name].append(time.perf_counter() - start)
             cpus[name].append(_cpu_s() - cpu)
-            _check(name, out, whole, want)
+            _check(name, out, SHIFT if name == SHIFTED else 0, whole, want)
     out.unlink()
     cp = statistics.median(times["cp"])
     for name, ts in times.items():

@@ -514,3 +514,53 @@ def test_small_pieces_are_not_reserved(tmp_path, monkeypatch):
     src, data = _source(tmp_path, copy_mod.RESERVE_MIN - 1)
     monkeypatch.setattr(copy_mod, "allocate", lambda *a: pytest.fail("reserved"))
     assert _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)[7:] == data
+
+
+# ------------------------------------------------------------------ page-aligned copies
+
+
+def _data_start(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_page(
+    tmp_path, monkeypatch, sharded
+):
+    """The header is padded with spaces so that every copied range lies at the same
+    page offset in the output as in the input; the files still read as before, by
+    yafsdp and by the safetensors library, and restore gives the tensors back."""
+    import yafsdp_cli.checkpoint.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "PAGE_ALIGN_MIN", 0)  # the samples are small
+    src = sample("llama.safetensors")
+    phase = _data_start(src) % 4096
+    out = tmp_path / ("set" if sharded else "flat.safetensors")
+    convert_checkpoint(src, out, world_size=4, sharded=sharded, verify=True)
+    files = sorted(out.glob("*.safetensors")) if sharded else [out]
+    assert files and {_data_start(f) % 4096 for f in files} == {phase}
+    for f in files:
+        header, _ = read_header(f)  # the spaces are JSON whitespace
+        assert header["__metadata__"]["yafsdp.format"]
+        load_st(f)  # and safetensors itself accepts them
+    again = tmp_path / "again.safetensors"
+    reshard_checkpoint(out, again, world_size=3)
+    direct = tmp_path / "direct.safetensors"
+    convert_checkpoint(src, direct, world_size=3)
+    assert _data_start(again) % 4096 == phase
+    assert again.read_bytes() == direct.read_bytes()  # as a direct conversion
+    back = tmp_path / "back.safetensors"
+    restore_checkpoint(again, back)
+    assert_same_tensors(load_st(src), load_st(back))
+
+
+def test_a_small_flat_file_is_not_padded(tmp_path):
+    """Up to a page of padding pays only where the copy is long: a small file's data
+    starts at the next multiple of 8, as safetensors writes it."""
+    src = sample("llama.safetensors")
+    out = tmp_path / "flat.safetensors"
+    convert_checkpoint(src, out, world_size=4)
+    header_len = _data_start(out) - 8
+    raw = out.read_bytes()[8 : 8 + header_len]
+    assert header_len % 8 == 0 and len(raw) - len(raw.rstrip(b" ")) < 8

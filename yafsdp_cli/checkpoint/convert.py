@@ -30,7 +30,7 @@ from .format import KEY_FORMAT, STREAM_CHUNK
 from .optim_state import SEP, optim_from
 from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
-from .writer import check_flat_name, check_output, staged_output
+from .writer import check_flat_name, check_output, page_phase, staged_output
 
 # (loaded, selection) -> (passed, or None when not run; what happened)
 ModelCheck = Callable[[LoadedModel, dict], tuple[bool | None, str]]
@@ -139,6 +139,7 @@ def write_converted(
             final=out,
             copier=Copier(record=True),  # a kept tensor copied to N ranks is read once
             optim=optim,
+            page_phase=page_phase(input_files(loaded)),
         )
         bytes_read = reads.total
         check = (

@@ -124,11 +124,13 @@ def write_flat(
     final: Path | None = None,
     copier: Copier | None = None,
     optim: OptimState | None = None,
+    page_phase: int | None = None,
 ) -> CheckpointInfo:
     """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
     folder when ``sharded``); paths in the result use ``final`` (the name it will
     be renamed to). ``copier`` moves the file ranges (a new one if not given).
-    With ``optim``, ``buffer_bytes`` is also asked for each state buffer."""
+    With ``optim``, ``buffer_bytes`` is also asked for each state buffer.
+    ``page_phase``: the source's (``writer.page_phase``), for page-aligned copies."""
     final = final or target
     shards = layout.world_size if sharded else 1
     slots = file_slots(layout, shards, optim)
@@ -139,7 +141,7 @@ def write_flat(
         for r, path in enumerate(paths):
             extra = {KEY_FORMAT: KIND_SHARD, KEY_RANK: str(r), KEY_SHARDS: str(shards)}
             md = {**meta, **(extra if sharded else {KEY_FORMAT: KIND_FLAT})}
-            writers.append(FileWriter(path, slots, md))
+            writers.append(FileWriter(path, slots, md, page_phase=page_phase))
             writers[-1].suspend()
         feed = _Feed(copier or Copier(), _Switch(), None)
         buffers = {b.name: b for b in all_buffers(layout, optim)}

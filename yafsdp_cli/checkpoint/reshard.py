@@ -23,7 +23,7 @@ from .copy import Copier
 from .flat_writer import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult
-from .writer import check_flat_name, check_output, staged_output
+from .writer import check_flat_name, check_output, page_phase, staged_output
 
 
 def relayout(layout: Layout, world_size: int) -> Layout:
@@ -92,6 +92,7 @@ def reshard_checkpoint(
             final=out,
             copier=copier,
             optim=ckpt.optim,
+            page_phase=page_phase(ckpt.paths),
         )
         checked = ckpt.verify(progress, copier)  # reads only what was not copied
     return ReshardResult(

@@ -8,6 +8,13 @@ where the file system has them); each tensor's pieces (``copy.py``: file ranges,
 zeros, bytes) then follow in data order, hashed on the way; ``finish()`` rewrites
 the header in place with the real checksums (same length by construction).
 
+Given the source's ``page_phase`` (where its data starts within a 4 KiB page), a
+file with enough data pads its header with spaces (which safetensors allows) so
+that its own data starts at the same place in a page: tensor sizes are mostly whole
+pages, so each copied range then lies at the same page offset in both files, and
+the kernel copies whole pages, about 1.5x faster than shifted ones
+(``python -m benchmarks.run copy_methods``).
+
 ``staged_output`` makes a command's output appear whole or not at all: data goes
 to a hidden temporary file (or folder) beside the target, renamed over it at the
 end; on any error, Ctrl-C included, the temporary is removed.
@@ -30,6 +37,24 @@ from ..fileio import write_error
 from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
 
+PAGE = 4096
+PAGE_ALIGN_MIN = 64 * 1024 * 1024  # data this long is worth up to a page of padding
+
+
+def page_phase(paths: Sequence[Path]) -> int | None:
+    """Where the data of the first safetensors file among ``paths`` starts within a
+    page (``FileWriter``'s ``page_phase``); None when there is none to follow."""
+    for path in paths:
+        if Path(path).suffix != ".safetensors":
+            continue
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+        except OSError:
+            return None  # the reader reports it
+        return (8 + struct.unpack("<Q", head)[0]) % PAGE if len(head) == 8 else None
+    return None
+
 
 class FileWriter:
     """One safetensors file; tensors must be written in ``slots`` order.
@@ -45,6 +70,7 @@ class FileWriter:
         metadata: dict[str, str],
         *,
         checksums: bool = True,
+        page_phase: int | None = None,
     ):
         names = [s.name for s in slots]
         if len(set(names)) != len(names):
@@ -54,7 +80,12 @@ class FileWriter:
         self.metadata = dict(metadata)
         self.with_checksums = checksums
         self.checksums: dict[str, str] = {}
+        self._padded_len: int | None = None
         header = self._header({s.name: placeholder() for s in slots})
+        if page_phase is not None and sum(s.nbytes for s in slots) >= PAGE_ALIGN_MIN:
+            # spaces until the data starts where the source's does within a page
+            self._padded_len = len(header) + (page_phase - 8 - len(header)) % PAGE
+            header = self._header({s.name: placeholder() for s in slots})
         self.header_len = len(header)
         self.data_start = 8 + len(header)
         self.nbytes = self.data_start + sum(s.nbytes for s in slots)
@@ -86,6 +117,8 @@ class FileWriter:
             }
             offset += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
+        if self._padded_len is not None:
+            return raw + b" " * (self._padded_len - len(raw))
         return raw + b" " * (-len(raw) % 8)  # data starts 8-byte aligned
 
     def _file(self) -> int:
