@@ -142,51 +142,58 @@ def plan_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
-        from ..errors import YafsdpError
-        from ..memory.step_schemes import check_schemes
-        from ..options import check_reserve, si_echo
-        from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size, plan_source
-        from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
-        from ..planning.reserved_fit import outside_at
+        from ..planning import plan_source
         from ..report import plan_view as view
 
-        if not (gpu_memory or gpu or gpu_profile):
-            raise YafsdpError(
-                "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
-            )
-        if gpu_memory and reserve is not None:  # the error blames the option typed
-            check_reserve(
-                parse_size(gpu_memory, "--gpu-memory"),
-                parse_size(reserve, "--reserve"),
-                reserve_typed=True,
-            )
-        opts = options_from(
-            PlanOptions,
-            locals(),
-            gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None,
-            network=parse_rate(network, "--network"),
-            tokens=parse_count(tokens, "--tokens"),
-            world_sizes=parse_ints(world_size, "--world-size"),
-            micro_batches=parse_ints(micro_batch, "--micro-batch"),
-            checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
-            reserve=None if reserve is None else parse_size(reserve, "--reserve"),
-            outside=parse_outside(outside),
-            margin=None,  # a share of the GPU's memory, known once a named GPU is resolved
-            schemes=check_schemes(scheme),
-        )
-        if reserve is None and opts.gpu_memory:  # the itemised parts, at their smallest
-            check_reserve(opts.gpu_memory, outside_at(opts, 1).total, reserve_typed=False)
-        if margin is not None:
-            kept = parse_margin(margin, opts.memory.gpu_memory)
-            opts = replace(opts, memory=replace(opts.memory, margin=kept))
-        reserve_echo = si_echo(reserve, "--reserve") if reserve is not None else None
-        for note in (
-            *(gpu_memory_notes(gpu_memory) if gpu_memory else ()),
-            *filter(None, [reserve_echo]),
-        ):
+        opts, notes = _options(locals())
+        for note in notes:
             stderr.print(f"note: {note}", markup=False, highlight=False)
         with interrupt_ends_at_once():
             report = plan_source(source, model=model, trust_pickle=trust_pickle, opts=opts)
         if html is not None:
             write_html(html, view.plan_page(report))
         render(view, report, fmt, explain=explain)
+
+
+def _options(a: dict):
+    """The command's ``PlanOptions`` from its typed arguments ``a``, and the notes to
+    print (how a size was read)."""
+    from ..errors import YafsdpError
+    from ..memory.step_schemes import check_schemes
+    from ..options import check_reserve, si_echo
+    from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size
+    from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
+    from ..planning.reserved_fit import outside_at
+
+    gpu_memory, reserve, margin = a["gpu_memory"], a["reserve"], a["margin"]
+    if not (gpu_memory or a["gpu"] or a["gpu_profile"]):
+        raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)")
+    if gpu_memory and reserve is not None:  # the error blames the option typed
+        check_reserve(
+            parse_size(gpu_memory, "--gpu-memory"),
+            parse_size(reserve, "--reserve"),
+            reserve_typed=True,
+        )
+    opts = options_from(
+        PlanOptions,
+        a,
+        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None,
+        network=parse_rate(a["network"], "--network"),
+        tokens=parse_count(a["tokens"], "--tokens"),
+        world_sizes=parse_ints(a["world_size"], "--world-size"),
+        micro_batches=parse_ints(a["micro_batch"], "--micro-batch"),
+        checkpointing=tuple(dict.fromkeys(c for c in a["checkpointing"].split(",") if c)),
+        reserve=None if reserve is None else parse_size(reserve, "--reserve"),
+        outside=parse_outside(a["outside"]),
+        margin=None,  # a share of the GPU's memory, known once a named GPU is resolved
+        schemes=check_schemes(a["scheme"]),
+    )
+    if reserve is None and opts.gpu_memory:  # the itemised parts, at their smallest
+        check_reserve(opts.gpu_memory, outside_at(opts, 1).total, reserve_typed=False)
+    if margin is not None:
+        kept = parse_margin(margin, opts.memory.gpu_memory)
+        opts = replace(opts, memory=replace(opts.memory, margin=kept))
+    notes = list(gpu_memory_notes(gpu_memory)) if gpu_memory else []
+    if reserve is not None:
+        notes += filter(None, [si_echo(reserve, "--reserve")])
+    return opts, notes
