@@ -552,7 +552,25 @@ def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_page(
     assert again.read_bytes() == direct.read_bytes()  # as a direct conversion
     back = tmp_path / "back.safetensors"
     restore_checkpoint(again, back)
+    assert _data_start(back) % 4096 == phase  # restore follows its input's too
     assert_same_tensors(load_st(src), load_st(back))
+
+
+def test_restore_gives_back_the_bytes_safetensors_wrote_whatever_the_padding(tmp_path, monkeypatch):
+    """A file saved as transformers saves it (safetensors, `format: pt`): its flat file
+    starts its data at the same page offset, so restoring it needs no padding, and
+    the restored file is the original's bytes."""
+    from safetensors.torch import save_file
+
+    import yafsdp_cli.checkpoint.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "PAGE_ALIGN_MIN", 0)
+    src = tmp_path / "model.safetensors"
+    save_file(load_st(sample("llama.safetensors")), str(src), metadata={"format": "pt"})
+    flat, back = tmp_path / "flat.safetensors", tmp_path / "back.safetensors"
+    convert_checkpoint(src, flat, world_size=4)
+    restore_checkpoint(flat, back)
+    assert back.read_bytes() == src.read_bytes()
 
 
 def test_a_small_flat_file_is_not_padded(tmp_path):

@@ -27,7 +27,7 @@ from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat
 from .results import Progress, RestoreResult, restored
-from .writer import check_output, staged_output, write_safetensors
+from .writer import check_output, page_phase, staged_output, write_safetensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
 FORMATS = ("safetensors", "pt", "dcp", "trainer")
@@ -99,7 +99,8 @@ def restore_checkpoint(
             checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
         else:
-            write_safetensors(staged.temp, items, _metadata(ckpt, tied), progress, copier)
+            meta = _metadata(ckpt, tied)
+            write_safetensors(staged.temp, items, meta, progress, copier, page_phase(ckpt.paths))
             checked = ckpt.verify(progress, copier)  # reads only what was not copied
         nbytes = staged.temp.stat().st_size
     return restored(

@@ -351,9 +351,12 @@ def staged_output(out: Path, *, folder: bool) -> Iterator[Staged]:
             staged.remove_temp()
 
 
-def write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> None:
+def write_safetensors(
+    path: Path, items, metadata, progress, copier: Copier, page_phase: int | None = None
+) -> None:
     """A safetensors file of ``items`` (``reader.StateDictItem``), each copied from its
-    byte ranges, in safetensors' own data order."""
+    byte ranges, in safetensors' own data order. ``page_phase``: the flat input's; a
+    file that safetensors would write with the same page offset is unchanged by it."""
     by_name = {it.slot.name: it for it in items}
     slots = data_order([it.slot for it in items])
     total, done = sum(s.nbytes for s in slots), 0
@@ -364,7 +367,7 @@ def write_safetensors(path: Path, items, metadata, progress, copier: Copier) -> 
         if progress is not None:
             progress("writing", done, total)
 
-    writer = FileWriter(path, slots, metadata, checksums=False)
+    writer = FileWriter(path, slots, metadata, checksums=False, page_phase=page_phase)
     try:
         for slot in slots:
             writer.begin(slot.name)
