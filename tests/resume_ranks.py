@@ -12,6 +12,10 @@ forward/backward per sub-batch on the whole flat buffers, the sub-batches' flat
 gradients summed in rank order (the left fold ``DistComm`` takes), then AdamW over
 the whole buffers. Sharding, saving, resharding and loading must lose nothing for
 the ranks to match it bit for bit.
+
+A mixed-precision leg (``masters``) runs the GPT in bfloat16 with float32 masters
+(``sharded_adamw(masters=True)``); its reference steps the masters of the whole
+buffers (``flat_adamw(masters=True)``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from sample_models.models import gpt
 from yafsdp_cli import CheckpointError, convert_module, plan, spec_from_module
 from yafsdp_cli.checkpoint import open_flat
-from yafsdp_cli.checkpoint.flat_training import FIELDS, flat_adamw
+from yafsdp_cli.checkpoint.flat_training import FIELDS, MASTER, flat_adamw, stepped
 from yafsdp_cli.checkpoint.optim_state import SEP
 from yafsdp_cli.checkpoint.sharded_training import save_sharded_training, sharded_adamw
 from yafsdp_cli.engine.sharded import DistComm, ShardedFlat, fold
@@ -51,6 +55,7 @@ class Leg:
     steps: int
     ckpt: str | None
     out: str
+    masters: bool = False  # bfloat16 weights, float32 masters
 
 
 def rows(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +77,9 @@ def loss_of(model: torch.nn.Module, step: int, rank: int, world: int) -> torch.T
     return total / (GLOBAL_BATCH * SEQ)
 
 
-def seeded_model() -> torch.nn.Module:
+def seeded_model(masters: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return gpt()
+    return gpt().to(torch.bfloat16) if masters else gpt()
 
 
 # ---------------------------------------------------------------- one rank
@@ -82,13 +87,13 @@ def seeded_model() -> torch.nn.Module:
 
 def run_leg(rank: int, leg: Leg) -> list[torch.Tensor]:
     """This rank's part of ``leg``; its loss at every step."""
-    model = seeded_model()
+    model = seeded_model(leg.masters)
     if leg.ckpt is None:
         layout = plan(spec_from_module(model), world_size=leg.world)
     else:
         layout = open_flat(leg.ckpt).layout
     sharded = ShardedFlat(convert_module(model, layout), DistComm())
-    opt = sharded_adamw(sharded, leg.ckpt, **HYPER)
+    opt = sharded_adamw(sharded, leg.ckpt, masters=leg.masters, **HYPER)
     losses = []
     for step in range(leg.first, leg.first + leg.steps):
         loss = loss_of(model, step, rank, leg.world)
@@ -154,19 +159,19 @@ class Reference:
     steps: dict[int, torch.Tensor]  # after step -> AdamW's step count
 
 
-def reference(worlds: list[int], save_after: tuple[int, ...]) -> Reference:
+def reference(worlds: list[int], save_after: tuple[int, ...], masters=False) -> Reference:
     """Step ``s`` on ``worlds[s]`` sub-batches, in one process (module docstring);
     the buffers and AdamW state after each step in ``save_after``."""
     with pinned(1):
-        model = seeded_model()
+        model = seeded_model(masters)
         flat = convert_module(model, plan(spec_from_module(model), world_size=worlds[0]))
-        opt = flat_adamw(flat, **HYPER)
+        opt = flat_adamw(flat, masters=masters, **HYPER)
         ref = Reference([], {}, {})
         for step, world in enumerate(worlds):
             ref.losses.append(_reference_step(model, flat, opt, step, world))
             if step in save_after:
                 ref.saved[step] = _stored(flat, opt)
-                ref.steps[step] = opt.state[flat.buffers[0].param]["step"].clone()
+                ref.steps[step] = opt.state[stepped(opt, flat.buffers[0].param)]["step"].clone()
         return ref
 
 
@@ -188,7 +193,10 @@ def _reference_step(model, flat, opt, step: int, world: int) -> list[torch.Tenso
 def _stored(flat, opt) -> dict[str, torch.Tensor]:
     out = {}
     for b in flat.buffers:
+        master = stepped(opt, b.param)
         out[b.layout.name] = b.param.detach().clone()
         for f in FIELDS:
-            out[f"{b.layout.name}{SEP}{f}"] = opt.state[b.param][f].clone()
+            out[f"{b.layout.name}{SEP}{f}"] = opt.state[master][f].clone()
+        if master is not b.param:
+            out[f"{b.layout.name}{SEP}{MASTER}"] = master.clone()
     return out

@@ -9,7 +9,9 @@ one-process reference of the same schedule (``resume_ranks``: per step the globa
 batch split into that step's ranks' rows, the rows' gradients summed in rank order,
 AdamW over whole flat buffers, no checkpoint) with ``torch.equal``. The references of
 the 4-then-3 and 4-then-1 runs differ from step 4 on: a sum over 4 sub-batches and
-one over 3 round differently, so the reference follows the schedule.
+one over 3 round differently, so the reference follows the schedule. A
+mixed-precision run (bfloat16 weights, float32 masters) resumes from 2 ranks on 3
+the same way, its masters included.
 """
 
 from __future__ import annotations
@@ -149,6 +151,20 @@ def test_a_run_started_on_1_rank_resumes_on_2_from_a_single_file(tmp_path):
     leg = Leg(2, STEPS, STEPS, str(tmp_path / "re2.safetensors"), str(tmp_path / "end2"))
     assert_losses(launch(leg, tmp_path / "launch2"), ref, STEPS)
     assert_saved(tmp_path / "end2", ref, after=2 * STEPS - 1)
+
+
+def test_a_mixed_precision_run_resumes_with_its_masters(tmp_path):
+    """bfloat16 weights, float32 masters: 2 steps on 2 ranks, resharded to 3, 2 more;
+    losses, weights, masters and moments as the one-process reference's."""
+    ref = reference([2, 2, 3, 3], save_after=(1, 3), masters=True)
+    first = launch(Leg(2, 0, 2, None, str(tmp_path / "run2"), masters=True), tmp_path / "l2")
+    assert_losses(first, ref, 0)
+    assert_saved(tmp_path / "run2", ref, after=1)
+    assert open_flat(tmp_path / "run2").optim.masters == "master_param"
+    reshard_checkpoint(tmp_path / "run2", tmp_path / "re3", world_size=3, sharded=True)
+    leg = Leg(3, 2, 2, str(tmp_path / "re3"), str(tmp_path / "end3"), masters=True)
+    assert_losses(launch(leg, tmp_path / "l3"), ref, 2)
+    assert_saved(tmp_path / "end3", ref, after=3)
 
 
 def test_a_rank_that_fails_to_load_stops_every_rank(on4, tmp_path):

@@ -19,7 +19,8 @@ base64 with a checksum each (``files``), written back byte for byte.
 
 Understood: Adam and AdamW (``exp_avg``, ``exp_avg_sq``, optional
 ``max_exp_avg_sq``, scalar ``step``, one value for every parameter) and SGD
-(optional ``momentum_buffer``). State of any other optimizer is refused by name.
+(optional ``momentum_buffer``), either with float32 master weights
+(``master_weights.py``). State of any other optimizer is refused by name.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError, YafsdpError
 from ..sources.state import IntKey
 from .format import checksum_of
+from .master_weights import (
+    MASTER_FIELDS,
+    check_master_dtype,
+    check_masters,
+    check_recorded_masters,
+    master_field,
+    refuse_param_copies,
+)
 
 if TYPE_CHECKING:  # the sources that hold state import torch; this module does not
     from ..sources.train_state import StateTensor, TrainingState
@@ -73,11 +82,19 @@ class OptimState:
     weights: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
+    @property
+    def masters(self) -> str | None:
+        """The field that holds float32 master weights, if the run kept them."""
+        return master_field(self.dtypes)
+
     def state_buffers(self, layout: Layout) -> tuple[BufferLayout, ...]:
-        """The state buffers: each a copy of its parameter buffer's layout."""
+        """The state buffers: each a copy of its parameter buffer's layout. Masters
+        have buffers only where parameters have them (float32 ones step themselves)."""
         out = []
         for field in sorted(self.dtypes):
             for b in layout.buffers:
+                if field in MASTER_FIELDS and b.name not in self.dtypes[field]:
+                    continue
                 dtype = self.dtypes[field].get(b.name, b.dtype)
                 out.append(dataclasses.replace(b, name=f"{b.name}{SEP}{field}", dtype=dtype))
         return tuple(out)
@@ -131,6 +148,7 @@ def parse_optim(text: str, where: str, layout: Layout) -> OptimState:
                 raise CheckpointError(
                     f"{where}: state {field!r} has unknown dtype {dtype!r}"
                 ) from None
+    check_recorded_masters(state.dtypes, layout, where)
     return state
 
 
@@ -184,10 +202,13 @@ def optim_from(state: TrainingState, layout: Layout) -> OptimState:
         fields.setdefault(t.param, set()).add(t.field)
     for param, scalars in state.scalars.items():
         fields.setdefault(param, set()).update(scalars)
-    kind = optimizer_kind(fields, where) if fields else "none"
+    kind = optimizer_kind(fields, where, counted_by_group(state.extras)) if fields else "none"
     check_steps({p: s["step"] for p, s in state.scalars.items() if "step" in s}, where)
     found = state_dtypes(state.tensors, layout, where)
     owner = {n: e.name for b in layout.buffers for e in b.entries for n in e.names}
+    stateful = {owner[p] for p in fields if p in owner}
+    check_masters(state.tensors, stateful, layout, where)
+    refuse_param_copies(state.extras, layout, where)
     paths: dict[str, dict[str, list]] = {}
     for t in state.tensors:
         paths.setdefault(owner[t.param], {})[t.field] = path_json(t.path)
@@ -206,10 +227,13 @@ def optim_from(state: TrainingState, layout: Layout) -> OptimState:
     )
 
 
-def optimizer_kind(fields: dict[str, set[str]], where: str) -> str:
+def optimizer_kind(fields: dict[str, set[str]], where: str, group_steps: bool = False) -> str:
     """``"adam"`` or ``"sgd"`` from each parameter's state field names (tensors and
-    scalars); refuses another optimizer by name and an incomplete Adam state."""
+    scalars); refuses another optimizer by name and an incomplete Adam state.
+    ``group_steps``: the param groups count the steps, so no parameter needs a ``step``."""
     seen = set().union(*fields.values()) if fields else set()
+    masters = seen & set(MASTER_FIELDS)  # beside any optimizer's state (master_weights.py)
+    seen -= masters
     for name in sorted(seen):
         if name in OTHER_OPTIMIZERS:
             raise CheckpointError(
@@ -218,10 +242,11 @@ def optimizer_kind(fields: dict[str, set[str]], where: str) -> str:
                 "pass --weights-only to convert the weights alone"
             )
     if seen & set(ADAM_TENSORS):
-        need, allowed = {"exp_avg", "exp_avg_sq", "step"}, {*ADAM_TENSORS, "step"}
+        need = {"exp_avg", "exp_avg_sq", *([] if group_steps else ["step"])}
+        allowed = {*ADAM_TENSORS, "step", *masters}
         kind = "adam"
     elif seen <= {*SGD_TENSORS}:
-        need, allowed, kind = set(), set(SGD_TENSORS), "sgd"
+        need, allowed, kind = set(), {*SGD_TENSORS, *masters}, "sgd"
     else:
         raise CheckpointError(
             f"{where}: optimizer state with fields {sorted(seen)} is from an optimizer "
@@ -237,6 +262,24 @@ def optimizer_kind(fields: dict[str, set[str]], where: str) -> str:
                 "the optimizer state is incomplete or from another optimizer"
             )
     return kind
+
+
+def counted_by_group(extras: Iterable[tuple[tuple, Any]]) -> bool:
+    """Whether the param groups hold the step count, as Transformer Engine's
+    ``FusedAdam`` keeps it (``group["step"]``) instead of one per parameter: a
+    ``param_groups`` list whose dicts have ``step`` (``torch.save``), or its items
+    saved one by one (``param_groups.0.step``, or ``param_groups.NAME.step``
+    flattened) by ``dcp.save``."""
+    for path, value in extras:
+        last = str(path[-1]) if path else ""
+        if last == "step" and "param_groups" in map(str, path[:-1]):
+            return True
+        if last.startswith("param_groups.") and last.endswith(".step"):
+            return True
+        groups = value if last == "param_groups" and isinstance(value, list) else []
+        if any(isinstance(g, dict) and "step" in g for g in groups):
+            return True
+    return False
 
 
 def check_steps(steps: dict[str, Any], where: str) -> None:
@@ -275,6 +318,8 @@ def state_dtypes(tensors: Iterable[StateTensor], layout: Layout, where: str) -> 
                 f"{where}: state {t.field!r} of {t.param!r} has shape {list(t.shape)}, but the "
                 f"parameter is {list(e.shape)}; the state does not match the model"
             )
+        if t.field in MASTER_FIELDS:
+            check_master_dtype(t.field, t.param, t.dtype, e.dtype, where)
         have = out.setdefault(t.field, {}).setdefault(b.name, t.dtype)
         if have != t.dtype:
             raise CheckpointError(

@@ -12,7 +12,9 @@ waiting in a collective the others never reach.
   ``[rank * s, (rank + 1) * s)`` of every buffer and of its ``B@exp_avg`` and
   ``B@exp_avg_sq`` (``s`` the buffer's ``shard_numel``), the step counts and the
   hyperparameters of the record, and the kept tensors. A sharded set's rank checks
-  and reads its own file alone; a single file is checked whole by every rank.
+  and reads its own file alone; a single file is checked whole by every rank. With
+  ``masters=True`` it is a ``MasterAdamW`` over float32 masters of the shards, and a
+  checkpoint's ``B@master_param`` is sliced like the rest.
 - ``save_sharded_training(sharded, opt, out)``: a sharded set in folder ``out``.
   Rank 0 checks ``out`` and makes a hidden temporary folder beside it; each rank
   writes its own rank file there; rank 0 checks that the ranks agree (optimizer
@@ -42,6 +44,8 @@ from .flat_training import (
     adamw_record,
     load_adamw,
     load_kept,
+    master_dtypes,
+    new_adamw,
     opened,
     read_buffer,
     refuse_kept,
@@ -58,21 +62,30 @@ SOURCE = "sharded_adamw"  # the source recorded in the checkpoint's metadata
 
 
 def sharded_adamw(
-    sharded: ShardedFlat, ckpt: str | Path | FlatCheckpoint | None = None, **hyper
+    sharded: ShardedFlat,
+    ckpt: str | Path | FlatCheckpoint | None = None,
+    *,
+    masters: bool = False,
+    **hyper,
 ) -> torch.optim.AdamW:
     """AdamW over ``sharded.shards``; with ``ckpt`` (the module converted with
     ``open_flat(ckpt).layout``), this rank's part of its weights and state loaded.
+    ``masters``: float32 masters of the shards narrower than float32 (as ``flat_adamw``).
     ``hyper`` are AdamW's keywords; a checkpoint's own hyperparameters win."""
     refuse_kept(sharded.kept_parameters())
-    opt = torch.optim.AdamW(list(sharded.shards), **hyper)
-    if ckpt is not None:
-        _together(sharded, lambda: _load(sharded, opt, ckpt))
-    return opt
+    pairs = _pairs(sharded)
+    if ckpt is None:
+        return new_adamw(pairs, master_dtypes(pairs, None, masters), hyper)
+    made: list[torch.optim.AdamW] = []
+    _together(sharded, lambda: made.append(_load(sharded, ckpt, masters, hyper)))
+    return made[0]
 
 
-def _load(sharded: ShardedFlat, opt, ckpt) -> None:
+def _load(sharded: ShardedFlat, ckpt, masters: bool, hyper: dict) -> torch.optim.AdamW:
     ckpt = opened(ckpt)
     adamw_extras(ckpt)  # no AdamW state: say so before anything else
+    pairs = _pairs(sharded)
+    opt = new_adamw(pairs, master_dtypes(pairs, ckpt, masters), hyper)
     rank, world = sharded.comm.rank, sharded.comm.world_size
     if ckpt.layout.world_size != world:
         raise CheckpointError(
@@ -80,9 +93,9 @@ def _load(sharded: ShardedFlat, opt, ckpt) -> None:
             f"run; reshard it first: yafsdp reshard {ckpt.root} -n {world} --sharded -o NEW"
         )
     ckpt.verify(ranks=[rank] if ckpt.sharded else None)
-    pairs = _pairs(sharded)
     load_adamw(opt, ckpt, pairs, lambda stored: _rank_slice(ckpt, stored, rank))
     load_kept(sharded.module, ckpt)
+    return opt
 
 
 def _rank_slice(ckpt: FlatCheckpoint, stored, rank: int) -> torch.Tensor:
