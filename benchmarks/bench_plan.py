@@ -51,7 +51,8 @@ def _run(folder: Path) -> bool:
     doc = json.loads(run.stdout)
     best = doc["best"]
     print(
-        f"  {doc['fake_runs']} fake runs; best: world size {best['world_size']}, micro-batch "
+        f"  {doc['fake_runs']} fake runs from {doc['fake_steps']} fake steps; best: world size "
+        f"{best['world_size']}, micro-batch "
         f"{best['micro_batch']}, checkpointing {best['checkpointing']}"
         if best
         else "  nothing fits"

@@ -138,7 +138,7 @@ class ShardedFlat:
         flat: FlatModel,
         comm,
         *,
-        on_grad_buffer: Callable[[torch.Tensor], None] | None = None,
+        on_reduced: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
         reshard_after_forward: bool = True,
     ):
         self.flat, self.comm, self.module = flat, comm, flat.module
@@ -146,7 +146,9 @@ class ShardedFlat:
         # FSDP2's reshard_after_forward=False): a torch.compile'd backward reads the
         # parameters before a per-unit hook could gather them again.
         self.reshard_after_forward = reshard_after_forward
-        self.on_grad_buffer = on_grad_buffer  # sees each whole gradient before it is reduced
+        # sees (buffer index, whole gradient, its reduced shard) before the whole one is
+        # dropped: ``profile`` names and sizes them
+        self.on_reduced = on_reduced
         self.shards: list[nn.Parameter] = []
         self._gathered: set[int] = set()
         self._pending: dict[int, set[int]] = {i: set() for i in range(len(flat.buffers))}
@@ -252,10 +254,10 @@ class ShardedFlat:
             if self.comm.simulated or not b.layout.requires_grad:
                 return
             full_grad = torch.zeros_like(b.param)  # every rank reduces every buffer
-        if self.on_grad_buffer is not None:
-            self.on_grad_buffer(full_grad)
         with torch.no_grad():
             part = self.comm.reduce_scatter(full_grad)
+            if self.on_reduced is not None:
+                self.on_reduced(i, full_grad, part)
             if shard.grad is None:
                 shard.grad = part
             else:

@@ -7,7 +7,9 @@ replicated buffers, the all-gather and gradient buffers of the largest unit); th
 step's own bytes (activations, temporaries) from as few fake runs as the grid
 allows (``measure``): two micro-batches per checkpointing choice at one world size
 (the smallest above 1 whose persistent bytes fit), the same at world size 1 when it
-is in the grid and could fit, and a third micro-batch to check the line.
+is in the grid and could fit, and a third micro-batch to check the line; a run at
+another world size above 1 is one of those steps with that world size's shard sizes
+(``measure``), so it takes no fake step of its own.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def plan_model(
         schemes = compare_schemes(
             loaded, opts, runner, lines, _line_for, fit, sizes, scheme_settings
         )
-        report = dataclasses.replace(report, schemes=schemes, fake_runs=runner.runs)
+        report = dataclasses.replace(
+            report, schemes=schemes, fake_runs=runner.runs, fake_steps=runner.steps
+        )
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))
 
@@ -323,9 +327,10 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> P
         smallest=smallest_fitting(rows),
         best=best,
         fake_runs=runs,
+        fake_steps=runner.steps,
         linearity=checks,
         wall_s=time.perf_counter() - start,
-        notes=_notes(opts, measured, runs, checks, runner.jobs, fit),
+        notes=_notes(opts, measured, (runs, runner.steps), checks, runner.jobs, fit),
         alloc_conf=fit.alloc_conf,
         margin_bytes=opts.memory.margin_bytes,
         advice=advice,
@@ -333,18 +338,21 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> P
     )
 
 
-def _notes(opts: PlanOptions, measured, runs, checks, jobs: int, fit) -> tuple[str, ...]:
+def _notes(opts: PlanOptions, measured, counts, checks, jobs: int, fit) -> tuple[str, ...]:
     where = ", ".join(map(str, measured))
+    runs, steps = counts
     notes = [
         "peak per rank = the memory model's persistent bytes at each world size (flat "
         "scheme: shards, master weights, buffers, 2 all-gather and 2 gradient buffers of "
         "the largest unit) + activations and temporaries of the converted model's step "
         f"measured under FakeTensorMode at world sizes {where}",
-        f"{runs} fake runs ({jobs} at a time, --jobs): activations grow linearly with "
-        "micro-batch x sequence, so two micro-batches are measured per checkpointing "
-        "choice and the line gives the others; "
+        f"{runs} fake runs ({jobs} at a time, --jobs) from {steps} fake steps: activations "
+        "grow linearly with micro-batch x sequence, so two micro-batches are measured per "
+        "checkpointing choice and the line gives the others; "
         "one run at a second world size gives the part that scales with 1/world size "
-        "(unreduced gradients at the peak, optimizer temporaries)",
+        "(unreduced gradients at the peak, optimizer temporaries); runs above world size 1 "
+        "with the same micro-batch and checkpointing are one fake step, its shard-sized "
+        "allocations resized to each world size",
         _fit_note(opts, fit),
         "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
         "(transformers' own activation_checkpointing_enable where the model has it)",

@@ -10,6 +10,13 @@ micro-batch: activations do not depend on the world size) makes the constant
 reduced at the peak, optimizer temporaries); a third micro-batch, where the grid has
 one, checks that the line holds. The plan's cell is the model's bytes at its own
 world size plus the highest phase of the line at its micro-batch and world size.
+
+A rank of a sharded model runs the same ops at every world size above 1; only its
+shard-sized and buffer-sized storages change size (``profiling.shard_sizes``). So
+of the runs above world size 1 at one micro-batch and checkpointing choice (the
+line's and the second world size's, and the reserved replays ``reserved_fit`` asks
+for later) one is a fake step and the others are its events with their own world
+size's sizes: the figures a fake step of their own gives, for no fake step.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import dataclass
 
 from ..profiling import ProfileOptions
 from ..profiling.profiler import profile_converted
+from ..profiling.shard_sizes import RecordedStep
+from ..profiling.timeline import StepEvents
 from .plan_options import PlanOptions
 from .plan_report import LinearityCheck
 from .pool import Key, Origin, run_cells
@@ -71,10 +80,15 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
     """The phase peaks of one fake step of the converted model, ``key`` =
     (world size, micro-batch, checkpointing), and its reserved peak under each of the
     plan's allocator settings (``reserved_fit``)."""
+    return measure_step(loaded, opts, seq_len, key)[0]
+
+
+def measure_step(loaded, opts: PlanOptions, seq_len: int, key: Key):
+    """``measure_peaks`` and the step it measured (``shard_sizes.RecordedStep``), from
+    which the same step at another world size is had without running it."""
     world_size, micro_batch, checkpointing = key
-    confs = plan_confs(opts)
-    traces: dict | None = {} if confs else None
-    step = profile_converted(
+    steps: dict = {}
+    profile_converted(
         loaded,
         ProfileOptions(
             optimizer=opts.optimizer,
@@ -97,20 +111,32 @@ def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str
             round_bytes=opts.round_bytes,
             target=opts.target,
         ),
-        traces=traces,
+        steps=steps,
     )
-    figures = dict(step.phase_peaks)
-    for p, b in step.phase_breakdowns.items():
+    step = steps["converted"]
+    return run_figures(step.events, opts), step
+
+
+def run_figures(events: StepEvents, opts: PlanOptions) -> dict[str, int]:
+    """A step's phase peaks, what the model held at each (``HELD``, ``GRADS``), and its
+    reserved peak under each of the plan's allocator settings."""
+    timeline = events.replay()
+    figures = dict(timeline.phase_peaks)
+    for p, b in timeline.phase_breakdowns.items():
         figures[HELD + p] = b.parameters + b.gradients + b.optimizer + b.buffers
         figures[GRADS + p] = b.gradients
-    if traces:
-        figures.update(replayed(traces["converted"], confs))
+    confs = plan_confs(opts)
+    if confs:
+        figures.update(replayed(events.alloc_trace(), confs))
     return figures
 
 
 class Runner:
-    """Runs fake steps of the converted model, counting them; ``prefetch`` runs a
-    set of them at once (on several cores, see ``pool``) for ``excess`` to read."""
+    """The figures of fake steps of the converted model, counting them; ``prefetch``
+    makes a set of them at once (on several cores, see ``pool``) for ``excess`` to
+    read. Of the runs at world sizes above 1 with the same micro-batch and
+    checkpointing, one is a fake step and the others are its events at their own
+    shard sizes (``shard_sizes``: the events a step run there records)."""
 
     def __init__(
         self,
@@ -124,23 +150,61 @@ class Runner:
         self.model_total = model_total  # world size -> the memory model's bytes
         self.origin = origin
         self.jobs = 1  # the most processes that ran steps at once
+        self.steps = 0  # fake steps run; ``runs`` counts the runs they gave
         self._peaks: dict[Key, dict[str, int]] = {}
+        self._sharded: dict[tuple[int, str], RecordedStep] = {}  # (mb, ck) -> a sharded step
 
     def prefetch(self, keys: Sequence[Key]) -> None:
         wanted = [k for k in dict.fromkeys(keys) if k not in self._peaks]
-        if not wanted:
-            return
+        for every in (False, True):  # then every step that cannot be rewritten
+            left = self._rewritten(wanted)
+            if not left:
+                return
+            self._run_steps(left if every else self._one_per_step(left))
+
+    def _run_steps(self, keys: list[Key]) -> None:
         found, jobs = run_cells(
-            wanted,
+            keys,
             self._measure,
-            measure_peaks,
+            measure_step,
             loaded=self.loaded,
             opts=self.opts,
             seq_len=self.seq_len,
             origin=self.origin,
         )
-        self.jobs = max(self.jobs, min(jobs, len(wanted)) if self.origin else 1)
-        self._peaks.update(found)
+        self.jobs = max(self.jobs, min(jobs, len(keys)) if self.origin else 1)
+        self.steps += len(keys)
+        for key, (figures, step) in found.items():
+            self._peaks[key] = figures
+            known = self._sharded.get(key[1:])
+            if key[0] > 1 and (known is None or not known.rewritable):
+                self._sharded[key[1:]] = step
+
+    def _rewritten(self, keys: list[Key]) -> list[Key]:
+        """Give each key whose micro-batch and checkpointing have a sharded step that
+        can be rewritten for its world size its figures; the keys left."""
+        left = []
+        for key in keys:
+            step = self._sharded.get(key[1:]) if key[0] > 1 else None
+            events = step.at_world_size(key[0]) if step is not None else None
+            if events is not None and key not in self._peaks:
+                self._peaks[key] = run_figures(events, self.opts)
+            elif key not in self._peaks:
+                left.append(key)
+        return left
+
+    def _one_per_step(self, keys: list[Key]) -> list[Key]:
+        """Every key at world size 1, and of those above, the first of each micro-batch
+        and checkpointing (the others are its events at their own world sizes), or
+        all of them where a step of theirs could not be rewritten."""
+        seen: set[tuple[int, str]] = set()
+        out = []
+        for key in keys:
+            if key[0] == 1 or key[1:] not in seen or key[1:] in self._sharded:
+                out.append(key)
+            if key[0] > 1:
+                seen.add(key[1:])
+        return out
 
     @property
     def runs(self) -> int:
@@ -154,8 +218,8 @@ class Runner:
         """A run's figures (phase peaks, reserved peaks), None if it is not made."""
         return self._peaks.get(key)
 
-    def _measure(self, key: Key) -> dict[str, int]:
-        return measure_peaks(self.loaded, self.opts, self.seq_len, key)
+    def _measure(self, key: Key):
+        return measure_step(self.loaded, self.opts, self.seq_len, key)
 
     def excess(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
         """Each phase's measured peak minus the model's bytes at ``world_size``."""
@@ -177,8 +241,7 @@ class Runner:
 
     def _run(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
         key = (world_size, micro_batch, checkpointing)
-        if key not in self._peaks:
-            self._peaks[key] = self._measure(key)
+        self.prefetch([key])
         return self._peaks[key]
 
     def line(

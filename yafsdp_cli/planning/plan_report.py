@@ -126,7 +126,8 @@ class PlanReport:
     rows: tuple[PlanRow, ...]
     smallest: tuple[Smallest, ...]
     best: PlanRow | None
-    fake_runs: int
+    fake_runs: int  # the (world size, micro-batch, checkpointing) runs the plan has
+    fake_steps: int  # the fake steps they took: above world size 1, one per micro-batch
     linearity: tuple[LinearityCheck, ...]
     wall_s: float
     notes: tuple[str, ...]

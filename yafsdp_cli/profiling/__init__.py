@@ -2,7 +2,9 @@
 
 Owns what profile is asked (``profile_options``) and what it answers
 (``profile_report``), the two steps it takes (``profiler``), the storage tracker
-(``tracker``, with module names from ``modules``), the fake step and the kernels it
+(``tracker``, with module names from ``modules``) and the replay of what it recorded
+(``timeline``), a sharded step's sizes at another world size (``shard_sizes``, what
+``plan`` takes its runs at other world sizes from), the fake step and the kernels it
 substitutes (``fake``, ``kernels``), mixed precision (``precision``) and the check of
 sequence lengths (``positions``), and what a GPU holds for a step under
 ``--target cuda`` (``gpu_holding``: the caching allocator's replay and the memory
@@ -28,7 +30,8 @@ from .profile_report import (
     StepProfile,
 )
 from .profiler import profile_model, profile_source
-from .tracker import CATEGORIES, Breakdown, ModuleMemory, StorageTracker
+from .timeline import CATEGORIES, Breakdown, ModuleMemory
+from .tracker import StorageTracker
 
 __all__ = [
     "ReservedPeak",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..memory.outside_allocator import OutsideAllocator
-from .tracker import Breakdown, ModuleMemory, PhaseSeries
+from .timeline import Breakdown, ModuleMemory, PhaseSeries
 
 SCHEMA = "yafsdp.profile/1"
 

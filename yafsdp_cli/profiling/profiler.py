@@ -44,6 +44,7 @@ from .positions import index_errors
 from .precision import Masters, cast_params
 from .profile_options import ProfileOptions
 from .profile_report import CudaMemory, ProfileReport, StepProfile
+from .shard_sizes import RecordedStep, ShardTags
 from .tracker import StorageTracker
 
 CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
@@ -89,9 +90,13 @@ def _check_target(opts: ProfileOptions) -> None:
         )
 
 
-def profile_converted(loaded, opts: ProfileOptions, traces: dict | None = None) -> StepProfile:
+def profile_converted(
+    loaded, opts: ProfileOptions, traces: dict | None = None, steps: dict | None = None
+) -> StepProfile:
     """The converted model's step alone (what ``plan`` measures), no original step;
-    ``traces`` as in ``profile_model``."""
+    ``traces`` as in ``profile_model``; ``steps``, if given, gets its
+    ``shard_sizes.RecordedStep`` under "converted" (its events, rewritable for another
+    world size where it ran sharded)."""
     _check_target(opts)
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
@@ -102,7 +107,9 @@ def profile_converted(loaded, opts: ProfileOptions, traces: dict | None = None) 
         _, modes = _step_modes(opts, fake_mode)
         with entered(*modes), index_errors(module, opts):
             params, sharded = _convert(module, layout, opts)
-            return _profile_step("converted", module, params, batch, opts, sharded, traces)
+            return _profile_step(
+                "converted", module, params, batch, opts, sharded, traces, steps=steps
+            )
 
 
 def _prepared(loaded, opts: ProfileOptions, fake_mode):
@@ -237,7 +244,7 @@ def warm_up(opt, params: list[nn.Parameter]) -> None:
 
 
 def _profile_step(
-    variant, module, params, batch, opts, sharded=None, traces=None, holding=None
+    variant, module, params, batch, opts, sharded=None, traces=None, holding=None, steps=None
 ) -> StepProfile:
     masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
     stepped = masters.stepped if masters else params
@@ -248,7 +255,7 @@ def _profile_step(
     if masters is not None:
         tracker.assign(masters.masters(), "optimizer")  # float32 masters: optimizer-owned
     if sharded is not None:
-        sharded.on_grad_buffer = lambda g: tracker.assign(g, "gradients")
+        _tag_shards(tracker, sharded, masters, opt, _rounding(opts))
     names = module_names(module, opts)
     rows = [n for n in dict.fromkeys(names.values()) if opts.per_module and _shallow(n, opts)]
     cuda_before = _cuda_reset(opts.device)
@@ -260,6 +267,9 @@ def _profile_step(
     trace = tracker.alloc_trace() if traces is not None or holding is not None else None
     if traces is not None:
         traces[variant] = trace
+    if steps is not None:
+        shards = tracker.tags.sizes() if tracker.tags is not None else None
+        steps[variant] = RecordedStep(tracker.recorded(), shards)
     return StepProfile(
         variant=variant,
         peak=timeline.peak,
@@ -275,6 +285,19 @@ def _profile_step(
         reserved=reserved_peak(trace, holding) if holding is not None else None,
         phase_breakdowns=timeline.phase_breakdowns,
     )
+
+
+def _tag_shards(tracker, sharded, masters, opt, round_bytes: int) -> None:
+    """Name the blocks whose size follows the world size (``shard_sizes``), and each
+    whole gradient as a gradient as the runtime hands it to the reduce-scatter."""
+    tags = tracker.tags = ShardTags(tracker, sharded, round_bytes)
+    tags.seed(sharded, masters, opt)
+
+    def reduced(i: int, full: torch.Tensor, part: torch.Tensor) -> None:
+        tracker.assign(full, "gradients")
+        tags.reduced(i, full, part)
+
+    sharded.on_reduced = reduced
 
 
 def _shallow(name: str, opts: ProfileOptions) -> bool:
@@ -298,6 +321,8 @@ def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -
     del loss
     if sharded is not None:
         sharded.finish_backward()
+    if tracker.tags is not None:
+        tracker.tags.start_inheriting()
     if masters is not None:
         masters.after_backward()
         tracker.assign(masters.grads(), "gradients")
