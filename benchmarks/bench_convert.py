@@ -132,9 +132,10 @@ class Paired:
 
 
 def paired(name: str, argv: list[str], out: Path, src: Path, scratch: Path) -> Paired:
-    """One warm-up of each, then REPEAT pairs; the order within a pair alternates."""
+    """One warm-up of each, then REPEAT pairs; the order within a pair alternates. A
+    folder input is copied with `cp -r`."""
     cp_out = scratch / "cp.out"
-    cp = ["cp", str(src), str(cp_out)]
+    cp = ["cp", "-r", str(src), str(cp_out)] if src.is_dir() else ["cp", str(src), str(cp_out)]
     _fresh(cp, cp_out)
     _fresh(argv, out)
     runs, cps = [], []

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from yafsdp_cli import CheckpointError
-from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
-from yafsdp_cli.checkpoint import dcp_restore as dcp_out
+from yafsdp_cli.checkpoint import convert_checkpoint, dcp_write, restore_checkpoint
 from yafsdp_cli.cli import app
 from yafsdp_cli.sources import load_source
 
@@ -134,14 +133,14 @@ def test_a_failed_write_leaves_nothing(gpt_dcp, tmp_path, monkeypatch):
     convert_checkpoint(src, flat)
     calls = []
 
-    def failing(item):
-        calls.append(item)
+    def failing(*args):
+        calls.append(args)
         if len(calls) == 3:
             raise CheckpointError("disk on fire")
-        return real(item)
+        return real(*args)
 
-    real = dcp_out.read_tensor
-    monkeypatch.setattr(dcp_out, "read_tensor", failing)
+    real = dcp_write._tensor_data
+    monkeypatch.setattr(dcp_write, "_tensor_data", failing)
     result = run("restore", flat, "-o", tmp_path / "out", "--format", "dcp")
     assert result.exit_code == 2 and "disk on fire" in result.stderr, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.safetensors"]

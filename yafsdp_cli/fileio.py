@@ -85,6 +85,14 @@ def read_chunks(
         raise error(f"{path}: cannot read ({exc.strerror})") from None
 
 
+def read_exact(
+    path: Path, offset: int, nbytes: int, *, error: type[YafsdpError] = SourceError
+) -> bytes:
+    """Exactly ``nbytes`` bytes of ``path`` from ``offset`` (a small record: a header,
+    a pickle); a short file raises ``error``."""
+    return b"".join(bytes(c) for c in read_chunks(path, offset, nbytes, error=error))
+
+
 def allocate(fd: int, offset: int, nbytes: int) -> None:
     """``fallocate(fd, 0, offset, nbytes)``: blocks for the range, the size unchanged
     when the range ends inside the file. libc's ``fallocate`` through ``ctypes``, not

@@ -8,7 +8,8 @@ per stored tensor (see ``format.py``). With ``sharded=True`` it is a folder of
 buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
 
 ``restore_checkpoint(..., fmt="dcp")`` writes a torch.distributed.checkpoint folder
-instead (``dcp_restore.py``), for FSDP2 and torchtitan.
+instead (``dcp_restore.py`` over ``dcp_write.py``, without importing torch), for FSDP2
+and torchtitan.
 
 A training checkpoint (DCP ``{"model", "optimizer", ...}``, or a ``torch.save`` dict
 of the same) keeps its optimizer state: each state tensor a flat buffer
@@ -20,7 +21,7 @@ Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
 calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
 data order), ``flat_writer`` (buffers routed to rank files) over ``writer`` (one
 safetensors file, staged outputs), ``copy`` (moving bytes by file ranges), ``crc``
-and ``integrity`` (checksums, zero padding), ``dcp_restore``,
+and ``integrity`` (checksums, zero padding), ``dcp_restore`` and ``dcp_write``,
 ``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
 (AdamW on a ``FlatModel``'s buffers from and to a checkpoint), ``sharded_training``
 (the same on each rank of a ``ShardedFlat`` run: its slice, its rank file), and
@@ -29,7 +30,8 @@ import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
 ``report`` import it.
 
 Everything streams: no function here holds a model, and none imports torch except
-``restore`` to ``.pt`` (and a source that needs it, such as a ``.pt`` state dict).
+``restore`` to ``.pt`` or a Trainer folder (and a source that needs it, such as a
+``.pt`` state dict).
 
 >>> from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
 >>> convert_checkpoint("model.safetensors", "flat.safetensors", world_size=8)  # doctest: +SKIP

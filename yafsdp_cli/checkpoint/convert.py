@@ -1,10 +1,13 @@
 """``convert_checkpoint``: a model source to a flat-buffer checkpoint, streamed.
 
 Each flat buffer is assembled from its entries' source bytes, in order: for a
-safetensors source each entry is a range of the source file (neighbours merged
-into one range, ``copy.coalesce``), copied file to file and checksummed in one
-pass (``copy.Copier``; torch is not even imported); other sources stream their
-bytes (``loaded.reader.iter_bytes``). The model is never held in memory.
+safetensors source, and for a DCP folder's tensors and optimizer state, each entry
+is one or more ranges of the source files (neighbours merged into one range,
+``copy.coalesce``), copied file to file and checksummed in one pass
+(``copy.Copier``; torch is not even imported); other sources stream their bytes
+(``loaded.reader.iter_bytes``). The model is never held in memory. A reader that
+hands out ranges of bytes it can check (DCP's chunks carry a CRC-32 each) checks
+them after the copy against the CRCs the copier read back (``check_copied``).
 
 A training checkpoint's optimizer state (``sources.train_state``) is checked whole
 against the layout first, then written as state buffers (``optim_state.py``) beside
@@ -13,7 +16,6 @@ the weights; ``weights_only`` leaves it out (a version 1 checkpoint, as before).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,7 @@ def write_converted(
     optim = optim_from(training, layout) if training is not None else None
     reads = _Reads(loaded, training, optim.state_buffers(layout) if optim else ())
     name = Path(loaded.spec.source).name if loaded.path else loaded.spec.source
+    copier = Copier(record=True)  # a kept tensor copied to N ranks is read once
     with staged_output(out, folder=sharded) as staged:
         info = write_flat(
             staged.temp,
@@ -137,10 +140,11 @@ def write_converted(
             source_metadata=loaded.spec.metadata,
             progress=progress,
             final=out,
-            copier=Copier(record=True),  # a kept tensor copied to N ranks is read once
+            copier=copier,
             optim=optim,
             page_phase=page_phase(input_files(loaded)),
         )
+        reads.check_copied(copier)
         bytes_read = reads.total
         check = (
             round_trip(loaded, layout, staged.temp, progress, selection, model_check)
@@ -163,14 +167,9 @@ def write_converted(
 
 def _training_state(loaded: LoadedModel):
     """The source's optimizer state and other entries (``sources.train_state``), or
-    None. DCP folders and torch files hold some, and loading either imports torch, so
-    without torch loaded there is none and a safetensors convert stays torch-free; a
-    Trainer folder's ``optimizer.pt`` is read even so (a folder read as its
-    safetensors alone, without transformers, is refused rather than stripped)."""
-    from ..sources.trainer_folder import trainer_folder_of
-
-    if "torch" not in sys.modules and trainer_folder_of(loaded) is None:
-        return None
+    None: DCP folders, torch files and Trainer folders hold some. Asking imports
+    torch only for a source that holds torch objects (a ``.pt`` file, a Trainer's
+    ``optimizer.pt``), so safetensors and DCP converts stay torch-free."""
     from ..sources.train_state import read_training_state
 
     return read_training_state(loaded)
@@ -227,16 +226,27 @@ class _Reads:
         return stored
 
     def pieces(self, record, nbytes: int) -> Iterator:
-        """The tensor as a file range where the reader knows one, else its bytes."""
+        """The tensor as file ranges where the reader knows them, else its bytes."""
         stored = self._stored(record, nbytes)
-        locate = getattr(self.loaded.reader, "file_range", None)
-        where = locate(stored) if locate is not None else None
-        if where is None:
+        ranges = _ranges(self.loaded.reader, stored)
+        if ranges is None:
             yield from self.tensor(record, nbytes)
             return
-        path, offset, n = where
-        self.total += n
-        yield FileRange(Path(path), offset, n)
+        yield from self._copied(ranges)
+
+    def _copied(self, ranges: list) -> Iterator[FileRange]:
+        for path, offset, n in ranges:
+            self.total += n
+            yield FileRange(Path(path), offset, n)
+
+    def check_copied(self, copier: Copier) -> None:
+        """Readers that handed out ranges they can check (``check_copied``) check them
+        against the CRC-32s ``copier`` read back while copying."""
+        readers = [self.loaded.reader, getattr(self.training, "reader", None)]
+        for reader in readers:
+            check = getattr(reader, "check_copied", None)
+            if check is not None:
+                check(lambda path, offset, n: copier.crc_of_copied(FileRange(path, offset, n)))
 
     def tensor(self, record, nbytes: int) -> Iterator[memoryview]:
         """The tensor's bytes, in chunks (each valid until the next)."""
@@ -254,6 +264,15 @@ class _Reads:
         key = self._state_keys.get((e.name, field))
         if key is None:
             yield from zeros(nbytes)
+            return
+        ranges = _ranges(self.training.reader, key)
+        if ranges is not None:
+            have = sum(n for _, _, n in ranges)
+            if have != nbytes:
+                raise SourceError(
+                    f"{self.training.where}: {key!r} holds {have} bytes, not {nbytes}"
+                )
+            yield from self._copied(ranges)
             return
         seen = 0
         for chunk in self.training.reader.iter_bytes(key, STREAM_CHUNK):
@@ -276,6 +295,17 @@ class _Reads:
                 yield from self.state(e, field, e.numel * isz)
             pos = e.offset + e.numel
         yield from zeros((b.padded_numel - pos) * isz)
+
+
+def _ranges(reader, name: str) -> list | None:
+    """``[(path, offset, nbytes), ...]`` of a tensor's bytes where its reader knows
+    them (``file_ranges``, or one ``file_range``), else None."""
+    many = getattr(reader, "file_ranges", None)
+    if many is not None:
+        return many(name)
+    one = getattr(reader, "file_range", None)
+    found = one(name) if one is not None else None
+    return None if found is None else [found]
 
 
 def round_trip(

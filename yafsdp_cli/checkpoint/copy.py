@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..fileio import OUTPUT_FULL, allocate
-from .crc import crc32, crc32_zeros
+from .crc import crc32, crc32_combine, crc32_zeros
 
 COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer, and the buffered copy's
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
@@ -270,6 +270,21 @@ class Copier:
         digest = _Crc()
         self.hash(src, digest, visit, tick)
         return digest.crc
+
+    def crc_of_copied(self, src: FileRange) -> int:
+        """The CRC-32 of ``src`` from the CRCs the ledger holds for ranges inside it,
+        reading only the bytes between them (for a range copied in pieces, such as a
+        tensor split across rank files, nothing)."""
+        crc, pos, end = 0, src.offset, src.offset + src.nbytes
+        known = self.ledger.within(src.path, src.offset, src.nbytes) if self.ledger else []
+        for offset, n, piece in [*known, (end, 0, 0)]:
+            if offset < pos:
+                continue  # overlaps a range already counted (copied twice, split otherwise)
+            if offset > pos:
+                gap = self.crc_of(FileRange(src.path, pos, offset - pos))
+                crc = crc32_combine(crc, gap, offset - pos)
+            crc, pos = crc32_combine(crc, piece, n), offset + n
+        return crc
 
     def hash(self, src: FileRange, digest, visit=None, tick=None) -> None:
         """Feed ``src``'s bytes to ``digest`` (``update``/``update_zeros``)."""

@@ -1,29 +1,28 @@
 """``restore --format dcp``: a flat checkpoint as a torch.distributed.checkpoint folder.
 
-The folder is written by torch's own ``dcp.save`` with a ``FileSystemWriter``, in one
-process (``no_dist``): ``.metadata`` and one ``__0_K.distcp`` file per tensor, so
-``dcp.load(model.state_dict(), checkpoint_id=OUT)`` (or FSDP2's
+The folder is what torch's own ``dcp.save`` writes in one process with a
+``FileSystemWriter`` of one file per item: ``.metadata`` and one ``__0_K.distcp``
+file per tensor, so ``dcp.load(model.state_dict(), checkpoint_id=OUT)`` (or FSDP2's
 ``get_model_state_dict``/``set_model_state_dict`` on any number of ranks) reads it.
-``dcp.save`` is handed the state dict as meta tensors (names, shapes, dtypes: all its
-planner needs) and a planner whose ``resolve_data`` reads a tensor's bytes from the
-flat checkpoint only when torch's writer asks for it; with one file per tensor (torch's
-writer keeps a file's tensors until the file is done) one tensor is in memory at a
-time. Every name is written, tied names included (each its own copy, as a plain
-``model.state_dict()`` saves them), so every key a model asks for is there.
+It is written without torch (``dcp_write.py``), each tensor's bytes copied by range
+from the flat checkpoint, so no tensor is ever in memory. Every name is written,
+tied names included (each its own copy, as a plain ``model.state_dict()`` saves
+them), so every key a model asks for is there.
 
-Same safety as the other outputs: the flat input is verified first (checksums, zero
-padding), the folder is staged beside the target and renamed at the end, an existing
-output needs ``--force``, and a folder that is not a DCP checkpoint is never replaced.
+Same safety as the other outputs: the flat input is verified (checksums, zero
+padding) in the same pass as the copy, and the folder is staged beside the target
+and renamed at the end only when it all checks out; an existing output needs
+``--force``, and a folder that is not a DCP checkpoint is never replaced.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
-from ..engine import dtypes
 from ..errors import CheckpointError
+from .copy import Copier
+from .dcp_write import write_dcp
 from .reader import FlatCheckpoint
 from .results import Progress, RestoreResult, restored
 from .writer import existing_folder_output, staged_output
@@ -40,17 +39,28 @@ def restore_dcp(
     force: bool = False,
     progress: Progress | None = None,
 ) -> RestoreResult:
-    """Write ``items`` (``restore.state_dict_items(ckpt)``) as a DCP folder ``out``,
-    after verifying every checksum and the zero padding of ``ckpt``."""
+    """Write ``items`` (``restore.state_dict_items(ckpt)``) as a DCP folder ``out``;
+    every checksum and the zero padding of ``ckpt`` are verified before it appears."""
     check_dcp_name(out)
     check_dcp_output(out, inputs=list(ckpt.paths), force=force)
-    checked = ckpt.verify(progress)
-    by_name = {name: it for it in items for name in (it.slot.name, *it.aliases)}
-    with staged_output(out, folder=True) as staged:
-        write_dcp(staged.temp, by_name, progress)
-        nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
+    state = {name: it for it in items for name in (it.slot.name, *it.aliases)}
+    nbytes, checked = write_checked(ckpt, out, state, progress)
     # nothing is dropped: tied names are each written
-    return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="dcp", tensors=len(by_name))
+    return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="dcp", tensors=len(state))
+
+
+def write_checked(
+    ckpt: FlatCheckpoint, out: Path, state: dict, progress: Progress | None
+) -> tuple[int, int]:
+    """``state`` written as a DCP folder staged beside ``out`` (``dcp_write``), then
+    ``ckpt`` verified, reading only what the copy did not (padding, replicas); renamed
+    into place when both succeed. Returns (bytes written, tensors checked)."""
+    copier = Copier(record=True)
+    with staged_output(out, folder=True) as staged:
+        write_dcp(staged.temp, state, copier, checkpoint_id=out, progress=progress)
+        checked = ckpt.verify(progress, copier)
+        nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
+    return nbytes, checked
 
 
 def check_dcp_name(out: Path) -> None:
@@ -74,80 +84,3 @@ def check_dcp_output(out: Path, *, inputs: list[Path], force: bool) -> None:
             f"{', '.join(sorted(strangers)[:3]) or 'no .metadata'}); it is never replaced, "
             "even with --force: choose another -o"
         )
-
-
-def write_dcp(
-    folder: Path, items: dict, progress: Progress | None = None, state: dict | None = None
-) -> None:
-    """``dcp.save`` of ``items`` (name -> ``reader.StateDictItem``: slot and byte source) into
-    the empty ``folder``. ``state`` is the (nested) state dict to save when it is more
-    than ``items``: meta tensors where ``items`` has the flattened key, plain values
-    (step counts, param groups) saved as they are."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    if state is None:
-        state = {
-            name: torch.empty(it.slot.shape, dtype=dtypes.to_torch(it.slot.dtype), device="meta")
-            for name, it in items.items()
-        }
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from ..sources.dcp_folder import cause
-
-    planner = _planner(items, progress)
-    # One file per tensor: torch's writer keeps every tensor of a file until that
-    # file is written, so one file for all would hold the whole model. No fsync per
-    # file: the folder is renamed into place once complete, like every other output.
-    writer = dcp.FileSystemWriter(
-        folder, single_file_per_rank=False, sync_files=False, thread_count=1
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
-    except CheckpointException as exc:  # a BaseException that wraps ours
-        inner = next(iter(exc.failures.values()), (None,))[0]
-        if isinstance(inner, CheckpointError):
-            raise inner from None
-        raise CheckpointError(f"writing the DCP checkpoint failed ({cause(exc)})") from None
-
-
-def _planner(items: dict, progress: Progress | None):
-    """A ``DefaultSavePlanner`` that reads each tensor when the writer resolves it."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    total = sum(it.slot.nbytes for it in items.values())
-
-    class _StreamingPlanner(DefaultSavePlanner):
-        done = 0
-
-        def resolve_data(self, write_item):
-            item = items.get(write_item.index.fqn)
-            if item is None:  # a plain value of the state dict
-                return super().resolve_data(write_item)
-            tensor = read_tensor(item)
-            self.done += item.slot.nbytes
-            if progress is not None:
-                progress("writing", self.done, total)
-            return tensor
-
-    return _StreamingPlanner()
-
-
-def read_tensor(item):
-    """One state-dict tensor from its byte source (a new tensor)."""
-    import torch
-
-    slot = item.slot
-    dtype = dtypes.to_torch(slot.dtype)
-    if not slot.nbytes:
-        return torch.empty(slot.shape, dtype=dtype)
-    data = bytearray(slot.nbytes)
-    pos = 0
-    for chunk in item.read():
-        data[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
-    if pos != slot.nbytes:
-        raise CheckpointError(f"{slot.name}: read {pos} bytes, the layout says {slot.nbytes}")
-    return torch.frombuffer(data, dtype=dtype).reshape(slot.shape)

@@ -37,6 +37,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError, YafsdpError
 from ..sources.state import IntKey
+from ..sources.torch_pickle import RawTensor
 from .format import checksum_of
 from .master_weights import (
     MASTER_FIELDS,
@@ -355,16 +356,14 @@ def encode(value: Any) -> Any:
         return [encode(v) for v in value]
     if isinstance(value, dict):
         return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    if isinstance(value, RawTensor):  # read from a DCP folder without torch
+        _check_value_bytes(len(value.data))
+        return {"tensor": value.dtype, "shape": list(value.shape), "hex": value.data.hex()}
     if type(value).__name__ == "Tensor":  # torch is imported only by sources that hold one
         import torch
 
         t = value.detach().cpu().contiguous()
-        if t.numel() * t.element_size() > MAX_VALUE_BYTES:
-            raise CheckpointError(
-                f"a {t.numel() * t.element_size()}-byte tensor that is neither a weight nor "
-                "per-parameter optimizer state cannot be carried in the metadata; pass "
-                "--weights-only to convert the weights alone"
-            )
+        _check_value_bytes(t.numel() * t.element_size())
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {"tensor": dtypes.from_torch(t.dtype), "shape": list(t.shape), "hex": raw.hex()}
     raise CheckpointError(
@@ -373,17 +372,37 @@ def encode(value: Any) -> Any:
     )
 
 
-def decode(value: Any) -> Any:
+def _check_value_bytes(nbytes: int) -> None:
+    if nbytes > MAX_VALUE_BYTES:
+        raise CheckpointError(
+            f"a {nbytes}-byte tensor that is neither a weight nor per-parameter optimizer "
+            "state cannot be carried in the metadata; pass --weights-only to convert the "
+            "weights alone"
+        )
+
+
+def decode(value: Any, *, raw: bool = False) -> Any:
+    """The value ``encode`` was given; tensors as torch tensors, or with ``raw`` as
+    ``RawTensor`` (for writers that do not import torch)."""
     if isinstance(value, list):
-        return [decode(v) for v in value]
+        return [decode(v, raw=raw) for v in value]
     if not isinstance(value, dict):
         return value
     if "f" in value:
         return float(value["f"])
     if "tuple" in value:
-        return tuple(decode(v) for v in value["tuple"])
+        return tuple(decode(v, raw=raw) for v in value["tuple"])
     if "dict" in value:
-        return {decode(k): decode(v) for k, v in value["dict"]}
+        return {decode(k, raw=raw): decode(v, raw=raw) for k, v in value["dict"]}
+    if raw:
+        dtype, shape = dtypes.canonical(value["tensor"]), tuple(value["shape"])
+        data = bytes.fromhex(value["hex"])
+        if len(data) != math.prod(shape) * dtypes.itemsize(dtype):
+            raise CheckpointError(
+                f"a {dtype}{list(shape)} tensor of the optimizer metadata holds {len(data)} "
+                "bytes; the metadata is damaged"
+            )
+        return RawTensor(dtype, shape, data)
     import torch
 
     data = bytearray(bytes.fromhex(value["hex"]))

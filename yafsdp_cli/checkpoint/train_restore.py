@@ -91,8 +91,10 @@ def _finish(node):
     return node
 
 
-def extras_of(optim: OptimState) -> dict[tuple, Any]:
-    return {path_of(path): decode(value) for path, value in optim.extras}
+def extras_of(optim: OptimState, *, raw: bool = False) -> dict[tuple, Any]:
+    """Every other value of the record under its key path (tensors as torch tensors,
+    or with ``raw`` as ``RawTensor``)."""
+    return {path_of(path): decode(value, raw=raw) for path, value in optim.extras}
 
 
 def restore_training(
@@ -115,30 +117,18 @@ def restore_training(
 
 
 def _write_dcp(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:
-    import torch
-
-    from .dcp_restore import check_dcp_name, check_dcp_output, write_dcp
-    from .writer import staged_output
+    from .dcp_restore import check_dcp_name, check_dcp_output, write_checked
 
     check_dcp_name(out)
     check_dcp_output(out, inputs=list(ckpt.paths), force=force)
-    checked = ckpt.verify(progress)
-    values = {
-        path: torch.empty(it.slot.shape, dtype=dtypes.to_torch(it.slot.dtype), device="meta")
-        for path, it in tensors.items()
-    }
-    values.update(extras_of(ckpt.optim))
-    by_fqn = {fqn_of(path): it for path, it in tensors.items()}
-    with staged_output(out, folder=True) as staged:
-        write_dcp(staged.temp, by_fqn, progress, state=nest(values))
-        nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())
-    return nbytes, checked
+    values = dict(tensors)
+    values.update(extras_of(ckpt.optim, raw=True))
+    return write_checked(ckpt, out, nest(values), progress)
 
 
 def _write_pt(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:
     import torch
 
-    from .dcp_restore import read_tensor
     from .writer import check_output, staged_output
 
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
@@ -155,3 +145,21 @@ def _write_pt(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple
             torch.save(nest(values), f)
         nbytes = staged.temp.stat().st_size
     return nbytes, checked
+
+
+def read_tensor(item):
+    """One state-dict tensor from its byte source (a new tensor)."""
+    import torch
+
+    slot = item.slot
+    dtype = dtypes.to_torch(slot.dtype)
+    if not slot.nbytes:
+        return torch.empty(slot.shape, dtype=dtype)
+    data = bytearray(slot.nbytes)
+    pos = 0
+    for chunk in item.read():
+        data[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    if pos != slot.nbytes:
+        raise CheckpointError(f"{slot.name}: read {pos} bytes, the layout says {slot.nbytes}")
+    return torch.frombuffer(data, dtype=dtype).reshape(slot.shape)

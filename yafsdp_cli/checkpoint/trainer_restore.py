@@ -98,7 +98,7 @@ def _write_optimizer(ckpt: FlatCheckpoint, items: list, path: Path) -> None:
     """``optimizer.pt``: the state dict rebuilt from the state buffers and the record."""
     import torch
 
-    from .dcp_restore import read_tensor
+    from .train_restore import read_tensor
 
     values = {
         path: read_tensor(it)

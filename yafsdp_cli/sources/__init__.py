@@ -10,12 +10,15 @@ Source kinds: ``*.safetensors`` and ``*.safetensors.index.json`` (header only, n
 torch import), ``*.pt/.pth/.bin`` state dicts, pickled modules (``--trust-pickle``),
 Hugging Face folders (``config.json``; the ``hf`` extra), ``--model module:factory``
 with or without weights, ``torch.export`` programs (``*.pt2``), and
-``torch.distributed.checkpoint`` (DCP) folders (``.metadata`` + ``*.distcp``).
+``torch.distributed.checkpoint`` (DCP) folders (``.metadata`` + ``*.distcp``; read
+without importing torch, as their chunks are ``torch.save`` archives read by range).
 
 Modules: ``loaded`` (``LoadedModel``), ``load`` (``load_source``), ``files`` (weight
 files by kind: ``safetensors_file``, ``torch_file``, ``shards`` for sharded sets),
 ``hf`` and ``hf_readers`` (Hugging Face folders), ``factory`` (``--model``),
-``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta`` and ``state`` (DCP folders),
+``export`` (``*.pt2``), ``dcp_folder``, ``dcp_meta``, ``dcp_pickle``, ``dcp_data`` and
+``state`` (DCP folders), ``torch_archive`` and ``torch_pickle`` (``torch.save``
+archives read and written without torch, for DCP's chunks and ``restore``),
 ``train_state`` (a training checkpoint's optimizer state and other entries, DCP and
 ``torch.save``), ``adapted`` (a source as fine-tuning trains it: peft's LoRA added,
 ``--freeze`` marked; the ``peft`` extra) and ``peft_folder`` (a PEFT adapter folder

@@ -2,10 +2,14 @@
 
 A DCP folder holds ``.metadata`` and one ``__R_K.distcp`` file per saving rank (each
 chunk a ``torch.save``d shard). Names, shapes and dtypes come from the metadata alone
-(read safely, see ``dcp_meta``); tensor bytes are read with torch's own
-``FileSystemReader`` and ``dcp.load(..., no_dist=True)``, one tensor at a time, into a
-plain tensor of the whole shape, so no process group is needed and the model is never
-held in memory.
+(read safely, see ``dcp_meta``). Tensor bytes are found without torch
+(``dcp_data``): each chunk's bytes are a byte range of its ``.distcp`` file, which
+``convert`` copies file to file as it copies a safetensors source, so reading a DCP
+folder never imports torch (over a second, more than copying a few GiB). A tensor
+whose chunks are laid out otherwise is read with torch's own ``FileSystemReader``
+and ``dcp.load(..., no_dist=True)`` into a plain tensor of the whole shape, one
+tensor at a time, so no process group is needed and the model is never held in
+memory.
 
 A training checkpoint holds more than weights. ``dcp.save`` flattens a nested state
 dict into dotted keys and records each key's path: torchtitan and FSDP2 recipes save
@@ -20,16 +24,21 @@ optimizer state (the ``optimizer`` entry) is described, never loaded.
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..engine import dtypes
 from ..errors import SourceError
-from ..fileio import CHUNK_BYTES
+from ..fileio import CHUNK_BYTES, read_chunks
+from .dcp_data import ChunkBytes, tensor_pieces
 from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
+from .torch_archive import check_crc
+
+if TYPE_CHECKING:
+    import torch
 from .state import CheckpointState, StateGroup
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "weights")
@@ -164,13 +173,16 @@ def _notes(state: CheckpointState, key: str | None) -> list[str]:
 
 
 class DcpReader:
-    """The weights of a DCP checkpoint, tensor by tensor, through torch's reader."""
+    """The weights of a DCP checkpoint, tensor by tensor: as byte ranges of the
+    ``.distcp`` files where ``dcp_data`` finds them, else through torch's reader."""
 
     def __init__(self, md: DcpMetadata, fqns: dict[str, str]):
         self.md = md
         self.fqns = fqns  # weight name -> fqn
         self.files = (md.folder / METADATA_NAME, *md.files)  # every file read
         self._storage = None
+        self._pieces: dict[str, list[ChunkBytes] | None] = {}
+        self.handed: list[ChunkBytes] = []  # pieces given out as file ranges, to check
 
     def names(self) -> list[str]:
         return list(self.fqns)
@@ -184,18 +196,62 @@ class DcpReader:
     def dtype(self, name: str) -> str:
         return self.tensor_meta(name).dtype
 
+    def pieces(self, name: str) -> list[ChunkBytes] | None:
+        """Where the tensor's bytes lie, in order, or None when torch must read it."""
+        fqn = self.fqns[name]
+        if fqn not in self._pieces:
+            self._pieces[fqn] = tensor_pieces(self.md, fqn)
+        return self._pieces[fqn]
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """``(path, offset, nbytes)`` of the tensor's bytes, for a copy; whoever copies
+        them checks each piece's member afterwards (``check_copied``)."""
+        pieces = self.pieces(name)
+        if pieces is None:
+            return None
+        self.handed.extend(pieces)
+        return [(p.path, p.offset, p.nbytes) for p in pieces]
+
+    def check_copied(self, crc_of) -> None:
+        """Every piece handed out as a range matches its member's stored CRC-32;
+        ``crc_of(path, offset, nbytes)`` gives the CRC of a range (read back by the
+        copier, so nothing is read twice)."""
+        seen = set()
+        for p in self.handed:
+            m = p.member
+            if m.crc and (p.path, m.offset) not in seen:
+                seen.add((p.path, m.offset))
+                check_crc(m, crc_of(p.path, m.offset, m.nbytes), f"{p.path} at byte {m.offset}")
+
     def load(self, name: str) -> torch.Tensor:
         """The whole tensor, assembled from its chunks (a new tensor; the metadata
         check made sure the chunks cover every element)."""
+        import torch
+
         meta = self.tensor_meta(name)
-        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
+        dtype = dtypes.to_torch(meta.dtype)
+        if self.pieces(name) is not None:
+            if not meta.nbytes:
+                return torch.empty(meta.shape, dtype=dtype)
+            data, pos = bytearray(meta.nbytes), 0
+            for part in self.iter_bytes(name):
+                data[pos : pos + len(part)] = part
+                pos += len(part)
+            return torch.frombuffer(data, dtype=dtype).reshape(meta.shape)
+        out = torch.empty(meta.shape, dtype=dtype)
         load_into({meta.fqn: out}, self._reader(), self.md.folder)
         return out
 
     def iter_bytes(self, name: str, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
-        """The tensor's bytes: views of it, but the last chunk a copy, so that a
-        caller still holding that chunk does not keep the whole tensor alive while
-        the next one loads (each chunk is valid until the next, as for safetensors)."""
+        """The tensor's bytes, each chunk valid until the next (as for safetensors):
+        read from their ranges and checked against their members' CRC-32, or, where
+        torch must read the tensor, views of it with the last chunk a copy (a caller
+        holding that chunk must not keep the whole tensor alive while the next loads)."""
+        pieces = self.pieces(name)
+        if pieces is not None:
+            for p in pieces:
+                yield from _checked_piece(p, chunk)
+            return
         from .torch_file import TensorDictReader
 
         pieces = TensorDictReader({name: self.load(name)}).iter_bytes(name, chunk)
@@ -212,6 +268,21 @@ class DcpReader:
         return self._storage
 
 
+def _checked_piece(p: ChunkBytes, chunk: int) -> Iterator[memoryview]:
+    """A piece's bytes; the rest of its member is read too, for the CRC-32."""
+    m = p.member
+    crc = 0
+    for part in read_chunks(p.path, m.offset, p.offset - m.offset):
+        crc = zlib.crc32(part, crc)
+    for part in read_chunks(p.path, p.offset, p.nbytes, chunk):
+        crc = zlib.crc32(part, crc)
+        yield part
+    end = p.offset + p.nbytes
+    for part in read_chunks(p.path, end, m.offset + m.nbytes - end):
+        crc = zlib.crc32(part, crc)
+    check_crc(m, crc, f"{p.path} at byte {m.offset}")
+
+
 def _storage_reader(md: DcpMetadata):
     """torch's ``FileSystemReader``, handed our safely read metadata instead of
     unpickling ``.metadata`` itself."""
@@ -219,7 +290,7 @@ def _storage_reader(md: DcpMetadata):
 
     class _CheckedReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            return md.raw
+            return md.torch_raw
 
     return _CheckedReader(md.folder)
 

@@ -5,7 +5,9 @@ dataclass: every tensor's global shape, dtype and chunks, and for every chunk th
 and byte range that hold it. torch's own ``FileSystemReader.read_metadata`` reads it
 with ``pickle.load``, which runs whatever the file says, so we unpickle it with an
 allow-list of the classes such a file holds (the metadata dataclasses, ``torch.Size``,
-dtypes, layouts, paths) and refuse any other. Then the content is checked as hostile:
+dtypes, layouts, paths) and refuse any other. The classes are resolved to stand-ins
+(``dcp_pickle.py``), not to torch's: importing torch costs more than copying the
+checkpoint, and nothing here needs it. Then the content is checked as hostile:
 each tensor has a known dtype and a non-negative shape, its chunks lie inside it and
 tile it exactly (no hole would be left as stale memory, no overlap), and every chunk
 has a storage record naming a file in the folder and a byte range inside that file.
@@ -14,39 +16,18 @@ Nothing here reads tensor data.
 
 from __future__ import annotations
 
+import functools
 import math
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..engine import dtypes
 from ..errors import SourceError, YafsdpError
+from .dcp_pickle import MetadataUnpickler, StorageMeta, is_a
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # a 70B model saved by 1024 ranks needs well under this
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    _DCP_METADATA: {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # a layout by its name
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,52 +52,52 @@ class DcpTensor:
 class DcpMetadata:
     folder: Path
     tensors: dict[str, DcpTensor]  # by fqn, in the metadata's order
-    non_tensors: tuple[str, ...]  # fqns of pickled values (param groups, counters): not read
+    non_tensors: tuple[str, ...]  # fqns of pickled values (param groups, counters)
     paths: dict[str, tuple]  # fqn -> its key path in the saved (nested) state dict
     files: tuple[Path, ...]  # the data files the chunks live in
-    raw: Any  # the checked torch ``Metadata``, for torch's reader
+    raw: Any  # the checked metadata, as stand-ins (``dcp_pickle``)
 
+    def storage(self, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...], Any]]:
+        """``(offsets, sizes, storage record)`` of each chunk of tensor ``fqn`` (its
+        storage record ``None`` for an empty chunk), or ``[((), (), record)]`` for a
+        pickled value."""
+        item = self.raw.state_dict_metadata[fqn]
+        index = self._index
+        if fqn in self.non_tensors:
+            return [((), (), index.get((fqn, None)))]
+        out = []
+        for c in item.chunks:
+            offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+            out.append((offsets, sizes, index.get((fqn, offsets)) if math.prod(sizes) else None))
+        return out
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Loads only what a DCP metadata file holds; any other global is refused."""
+    def check_record(self, fqn: str, info) -> None:
+        """A pickled value's storage record names a file in the folder and a byte range
+        inside it (a tensor's records were checked when the metadata was read)."""
+        _check_storage(self.folder, self.folder / METADATA_NAME, fqn, info, {})
 
-    def __init__(self, file, where: Path):
-        super().__init__(file)
-        self.where = where
+    @functools.cached_property
+    def _index(self) -> dict[tuple, Any]:
+        return _storage_index(self.folder / METADATA_NAME, self.raw.storage_data)
 
-    def find_class(self, module: str, name: str):
-        if name in _ALLOWED.get(module, ()) or (module == "torch" and _is_dtype(name)):
-            return super().find_class(module, name)
-        raise SourceError(
-            f"{self.where}: the metadata pickle names {module}.{name}, which a "
-            "torch.distributed.checkpoint metadata file never holds; loading it could run "
-            "code from the file, so it is refused"
-        )
+    @functools.cached_property
+    def torch_raw(self):
+        """The same metadata as torch's own classes, for torch's reader: read again with
+        the same allow-list and checked again (``dcp_data`` uses it for the chunks only
+        torch reads). Imports torch."""
+        raw = _unpickle(self.folder / METADATA_NAME, real_torch=True)
+        _check(self.folder, raw)
+        if getattr(raw, "storage_meta", None) is None:  # as torch's own reader does
+            from torch.distributed.checkpoint.metadata import StorageMeta as TorchStorageMeta
 
-
-def _is_dtype(name: str) -> bool:
-    return isinstance(getattr(torch, name, None), torch.dtype)
+            raw.storage_meta = TorchStorageMeta()
+        return raw
 
 
 def read_dcp_metadata(folder: Path) -> DcpMetadata:
     """``folder``'s ``.metadata``, safely unpickled and checked (see the module note)."""
     raw = _unpickle(folder / METADATA_NAME)
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    where = folder / METADATA_NAME
-    if not isinstance(raw, Metadata) or not isinstance(raw.state_dict_metadata, dict):
-        raise SourceError(f"{where}: not a torch.distributed.checkpoint Metadata object")
-    storage = _storage_index(where, raw.storage_data)
-    sizes: dict[str, int] = {}
-    tensors: dict[str, DcpTensor] = {}
-    non_tensors = []
-    for fqn, item in raw.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            raise SourceError(f"{where}: a key {fqn!r} that is not a string")
-        if _is_bytes_item(item):
-            non_tensors.append(fqn)
-            continue
-        tensors[fqn] = _check_tensor(folder, where, fqn, item, storage, sizes)
+    tensors, non_tensors, sizes = _check(folder, raw)
     if getattr(raw, "storage_meta", None) is None:  # as torch's own reader does
         raw.storage_meta = StorageMeta()
     return DcpMetadata(
@@ -129,7 +110,25 @@ def read_dcp_metadata(folder: Path) -> DcpMetadata:
     )
 
 
-def _unpickle(path: Path):
+def _check(folder: Path, raw) -> tuple[dict[str, DcpTensor], list[str], dict[str, int]]:
+    where = folder / METADATA_NAME
+    if not is_a(raw, "Metadata") or not isinstance(raw.state_dict_metadata, dict):
+        raise SourceError(f"{where}: not a torch.distributed.checkpoint Metadata object")
+    storage = _storage_index(where, raw.storage_data)
+    sizes: dict[str, int] = {}
+    tensors: dict[str, DcpTensor] = {}
+    non_tensors = []
+    for fqn, item in raw.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise SourceError(f"{where}: a key {fqn!r} that is not a string")
+        if is_a(item, "BytesStorageMetadata"):
+            non_tensors.append(fqn)
+            continue
+        tensors[fqn] = _check_tensor(folder, where, fqn, item, storage, sizes)
+    return tensors, non_tensors, sizes
+
+
+def _unpickle(path: Path, *, real_torch: bool = False):
     try:
         size = path.stat().st_size
         if size > MAX_METADATA_BYTES:
@@ -138,7 +137,7 @@ def _unpickle(path: Path):
                 f"(limit {MAX_METADATA_BYTES}); the file is not DCP metadata"
             )
         with open(path, "rb") as f:
-            return _MetadataUnpickler(f, path).load()
+            return MetadataUnpickler(f, path, real_torch=real_torch).load()
     except YafsdpError:
         raise
     except OSError as exc:
@@ -153,12 +152,6 @@ def _unpickle(path: Path):
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
-
-
-def _is_bytes_item(item) -> bool:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    return isinstance(item, BytesStorageMetadata)
 
 
 def _storage_index(where: Path, storage_data) -> dict[tuple, Any]:
@@ -184,9 +177,7 @@ def _planner_paths(raw) -> dict[str, tuple]:
 
 
 def _check_tensor(folder, where, fqn, item, storage, sizes) -> DcpTensor:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    if not isinstance(item, TensorStorageMetadata):
+    if not is_a(item, "TensorStorageMetadata"):
         raise SourceError(f"{where}: entry {fqn!r} is a {type(item).__name__}, not a tensor")
     try:
         dtype = dtypes.from_torch(item.properties.dtype)

@@ -23,8 +23,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import SourceError
 from .dcp_folder import OPTIMIZER_KEYS, DcpReader, cause
 from .loaded import LoadedModel
@@ -126,8 +124,20 @@ def _from_dcp(reader: DcpReader, where: str) -> TrainingState | None:
 
 
 def _load_values(md, fqns: list[str], where: str) -> dict[str, Any]:
-    """The values of small tensors and pickled items, by ``dcp.load`` with a planner
-    that unpickles with ``weights_only=True`` (numbers, strings, tuples, tensors)."""
+    """The values of small tensors (as ``RawTensor``) and pickled items, read without
+    torch (``dcp_data.read_values``); where one of them needs torch's reader, all of
+    them by ``dcp.load`` with a planner that unpickles with ``weights_only=True``
+    (numbers, strings, tuples, tensors), which reads or refuses them as it always did."""
+    from .dcp_data import read_values
+
+    found = read_values(md, fqns)
+    if found is not None:
+        return found
+    return _load_values_with_torch(md, fqns, where)
+
+
+def _load_values_with_torch(md, fqns: list[str], where: str) -> dict[str, Any]:
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -218,6 +228,8 @@ def optimizer_entries(osd: dict, names: dict[int, str], prefix: tuple, where: st
     """An ``optimizer.state_dict()`` at key path ``prefix``, split: its state tensors,
     each parameter's scalars, every other value under its key path, and the tensors
     by the key ``TensorDictReader`` gives them."""
+    import torch
+
     tensors, scalars, extras, found = [], {}, [], {}
     for pid, fields in osd.get("state", {}).items():
         param = names.get(pid)
