@@ -77,3 +77,17 @@ def file_system_can(folder: Path, try_it) -> bool:
         return False
     finally:
         probe.unlink()
+
+
+def train_steps(model, opt, first: int, steps: int) -> list[float]:
+    """Seeded steps ``first .. first + steps - 1``; the loss of each."""
+    from yafsdp_cli.engine.inputs import make_input, projection_loss
+
+    losses = []
+    for step in range(first, first + steps):
+        loss = projection_loss(model(make_input(model, seed=step)), seed=step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

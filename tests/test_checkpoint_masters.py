@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_helpers import assert_same_tensors, read_header
+from checkpoint_helpers import assert_same_tensors, read_header, train_steps
 from dcp_samples import save_dcp
 from helpers import build
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -27,7 +27,6 @@ from yafsdp_cli import CheckpointError, convert_module, plan, spec_from_module
 from yafsdp_cli.checkpoint import open_flat
 from yafsdp_cli.checkpoint.flat_training import MasterAdamW, flat_adamw, save_flat_training
 from yafsdp_cli.cli import app
-from yafsdp_cli.engine.inputs import make_input, projection_loss
 
 runner = CliRunner()
 LR = 1e-2
@@ -64,22 +63,10 @@ class MasterWeightsAdamW(torch.optim.Optimizer):
             self.state[p] = {**self.inner.state[m], **extra}
 
 
-def train(model, opt, first: int, steps: int) -> list[float]:
-    """Seeded steps ``first .. first + steps - 1``; the loss of each."""
-    losses = []
-    for step in range(first, first + steps):
-        loss = projection_loss(model(make_input(model, seed=step)), seed=step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def trained(steps: int, field: str = "master_param"):
     model = build("llama")
     opt = MasterWeightsAdamW(model.parameters(), field=field, lr=LR)
-    return model, opt, train(model, opt, 0, steps)
+    return model, opt, train_steps(model, opt, 0, steps)
 
 
 def dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -265,7 +252,7 @@ def test_mixed_precision_resume_after_reshard_is_bit_exact(tmp_path, form):
     fresh, fresh_flat = _flat_llama(ckpt.layout, seed=9)
     fresh_opt = flat_adamw(fresh_flat, ckpt, masters=True, lr=0.5)  # the checkpoint's lr wins
     assert isinstance(fresh_opt, MasterAdamW)
-    assert train(fresh, fresh_opt, 3, 3) == unbroken[3:]
+    assert train_steps(fresh, fresh_opt, 3, 3) == unbroken[3:]
     _assert_same_run(model, opt, fresh_flat, fresh_opt)
     # the library saves its masters too, and they come back as master_param
     save_flat_training(fresh_flat, fresh_opt, tmp_path / "again.safetensors")
@@ -286,11 +273,11 @@ def test_flat_adamw_masters_train_like_per_parameter_masters(tmp_path):
     assert {b.layout.dtype for b in flat.buffers if flat_opt.stepped(b.param) is b.param} == {
         "float32"
     }
-    assert train(flat_model, flat_opt, 0, 2) == unbroken[:2]
+    assert train_steps(flat_model, flat_opt, 0, 2) == unbroken[:2]
     save_flat_training(flat, flat_opt, tmp_path / "run", sharded=True)
     fresh, fresh_flat = _flat_llama(open_flat(tmp_path / "run").layout, seed=5)
     fresh_opt = flat_adamw(fresh_flat, tmp_path / "run", masters=True)
-    assert train(fresh, fresh_opt, 2, 2) == unbroken[2:]
+    assert train_steps(fresh, fresh_opt, 2, 2) == unbroken[2:]
     _assert_same_run(model, opt, fresh_flat, fresh_opt)
 
 
@@ -334,7 +321,7 @@ def test_flat_adamw_masters_must_match_the_checkpoint(tmp_path):
         flat_adamw(_flat_llama(ckpt.layout)[1], ckpt)
     _, flat = _flat_llama()
     plain = flat_adamw(flat, lr=LR)
-    train(flat.module, plain, 0, 1)
+    train_steps(flat.module, plain, 0, 1)
     save_flat_training(flat, plain, tmp_path / "plain.safetensors")
     with pytest.raises(CheckpointError, match="holds no master weights"):
         flat_adamw(_flat_llama()[1], tmp_path / "plain.safetensors", masters=True)
@@ -418,7 +405,7 @@ def test_a_master_weights_entry_beside_the_optimizer_is_refused(tmp_path):
     src, flat = tmp_path / "ckpt.pt", tmp_path / "flat.safetensors"
     model = build("llama")
     plain = torch.optim.AdamW(model.parameters(), lr=LR)
-    train(model, plain, 0, 1)
+    train_steps(model, plain, 0, 1)
     masters = {n: p.detach().float() for n, p in model.named_parameters()}
     state = {"model": model.state_dict(), "optimizer": plain.state_dict()}
     torch.save({**state, "master_weights": masters}, src)

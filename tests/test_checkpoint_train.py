@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_helpers import assert_same_tensors, read_header
+from checkpoint_helpers import assert_same_tensors, read_header, train_steps
 from dcp_samples import save_dcp, trained
 from helpers import build
 from torch.distributed.checkpoint.state_dict import (
@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.checkpoint import open_flat, restore_checkpoint
 from yafsdp_cli.cli import app
-from yafsdp_cli.engine.inputs import make_input, projection_loss
 
 runner = CliRunner()
 FIXTURE = Path(__file__).parent / "fixtures" / "flat-v1-mlp.safetensors"
@@ -240,27 +239,15 @@ def test_torch_save_optimizer_needs_an_architecture(tmp_path):
     assert run("convert", src, "-o", flat, "--weights-only").exit_code == 0
 
 
-def _train(model, opt, first: int, steps: int) -> list[float]:
-    """Seeded steps ``first .. first + steps - 1``; the loss of each."""
-    losses = []
-    for step in range(first, first + steps):
-        loss = projection_loss(model(make_input(model, seed=step)), seed=step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_resume_after_reshard_continues_bit_exactly(tmp_path):
     """3 AdamW steps, saved as torchtitan does, converted for 4 ranks, resharded to 3,
     restored and loaded into a fresh model: 3 more steps give the losses of 6 steps
     run without a break (one process: the checkpoint path, not a sharded run)."""
     model = build("gpt")
-    unbroken = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 6)
+    unbroken = train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 6)
     model = build("gpt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    assert _train(model, opt, 0, 3) == unbroken[:3]
+    assert train_steps(model, opt, 0, 3) == unbroken[:3]
     src, flat, re3, back = (tmp_path / n for n in ("src", "flat", "re3", "back"))
     save_dcp(src, {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)})
     assert run("convert", src, "-o", flat, "-n", "4", "--sharded").exit_code == 0
@@ -274,7 +261,7 @@ def test_resume_after_reshard_continues_bit_exactly(tmp_path):
         dcp.load(state, checkpoint_id=str(back), no_dist=True)
     fresh.load_state_dict(state["model"])
     set_optimizer_state_dict(fresh, fresh_opt, state["optimizer"])
-    assert _train(fresh, fresh_opt, 3, 3) == unbroken[3:]
+    assert train_steps(fresh, fresh_opt, 3, 3) == unbroken[3:]
 
 
 def _flat_gpt(layout=None, seed=0):
@@ -292,10 +279,10 @@ def test_flat_adamw_resumes_from_a_resharded_flat_checkpoint(tmp_path):
     from yafsdp_cli.checkpoint.flat_training import flat_adamw, save_flat_training
 
     model, flat = _flat_gpt()
-    unbroken = _train(model, flat_adamw(flat, lr=1e-2), 0, 6)
+    unbroken = train_steps(model, flat_adamw(flat, lr=1e-2), 0, 6)
     model, flat = _flat_gpt()
     opt = flat_adamw(flat, lr=1e-2)
-    assert _train(model, opt, 0, 3) == unbroken[:3]
+    assert train_steps(model, opt, 0, 3) == unbroken[:3]
     save_flat_training(flat, opt, tmp_path / "run", sharded=True)
     assert (
         run("reshard", tmp_path / "run", "-n", "3", "--sharded", "-o", tmp_path / "re3").exit_code
@@ -303,7 +290,7 @@ def test_flat_adamw_resumes_from_a_resharded_flat_checkpoint(tmp_path):
     )
     ckpt = open_flat(tmp_path / "re3")
     fresh, fresh_flat = _flat_gpt(ckpt.layout, seed=9)
-    resumed = _train(fresh, flat_adamw(fresh_flat, ckpt, lr=0.5), 3, 3)  # its lr wins
+    resumed = train_steps(fresh, flat_adamw(fresh_flat, ckpt, lr=0.5), 3, 3)  # its lr wins
     assert resumed == unbroken[3:]
     # restore gives the per-parameter form: each entry's slice of its buffer's state
     result = run("restore", tmp_path / "re3", "-o", tmp_path / "back.pt")
