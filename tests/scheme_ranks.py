@@ -11,18 +11,29 @@ buckets in the order gradients became ready. What exists before the measured ste
 (shards or whole parameters, optimizer states, DDP's buckets) is registered first,
 so the peak counts everything the rank holds.
 
+gloo's worker thread keeps a collective's tensors until it drops its work, a moment
+after the rank has already moved on, and so frees them at a point of the step that
+changes from run to run (a whole unit's all-gather output, now and then, at the
+peak). ``settled_collectives`` hands gloo private copies made out of the tracker's
+sight: every storage the engine makes is then freed where the engine drops it,
+and the measured peak is the engine's schedule, the same in every run.
+
 Launched by ``fsdp2_ranks.launch`` (ranks forked from a forkserver that has imported
 torch and transformers once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import _disable_current_modes
 
 from tests.fsdp2_ranks import blocks, build, serve_rank
 from yafsdp_cli.profiling.tracker import StorageTracker, op_tensors
@@ -42,11 +53,19 @@ class StepPeak:
     peak: int  # bytes alive at the step's highest moment
     phase: str
     phase_peaks: dict
+    stray_frees: int  # tracked storages freed off the rank's main thread (0 expected)
 
 
 class LocalStorages(StorageTracker):
     """The tracker, seeing a DTensor's local storage: FSDP2's sharded parameters and
     the optimizer's states of them are DTensors, whose wrapper has no storage."""
+
+    stray_frees = 0
+
+    def _freed(self, i, ref):
+        if threading.current_thread() is not threading.main_thread() and not self._closed:
+            self.stray_frees += 1
+        super()._freed(i, ref)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -82,7 +101,62 @@ def _keeping_buckets(kept: list):
     return hook
 
 
+def _private(collective):
+    """``collective(output, input, ...)`` run on untracked copies of both tensors
+    and waited for; the result is copied into ``output``. The returned work (if
+    the caller asked for one) has finished and holds only the copies."""
+
+    def run(output, input, *args, **kwargs):
+        with _disable_current_modes():
+            out, inp = torch.empty_like(output), input.clone()
+            work = collective(out, inp, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            output.copy_(out)
+        return work
+
+    return run
+
+
+def _private_broadcast(broadcast):
+    """``dist._broadcast_coalesced(group, tensors, ...)`` (DDP's buffer broadcast at
+    each forward) on untracked copies, copied back."""
+
+    def run(group, tensors, *args):
+        with _disable_current_modes():
+            copies = [t.clone() for t in tensors]
+            broadcast(group, copies, *args)
+            for t, c in zip(tensors, copies, strict=True):
+                t.copy_(c)
+
+    return run
+
+
+@contextlib.contextmanager
+def settled_collectives():
+    """The collectives FSDP2 and DDP call (looked up on ``torch.distributed`` at
+    each call) through private copies."""
+    wrappers = {
+        "all_gather_single": _private,
+        "reduce_scatter_single": _private,
+        "_broadcast_coalesced": _private_broadcast,
+    }
+    saved = {n: getattr(dist, n) for n in wrappers}
+    for n, wrap in wrappers.items():
+        setattr(dist, n, wrap(saved[n]))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
 def run_step(job: StepJob) -> StepPeak:
+    with settled_collectives():
+        return _run_step(job)
+
+
+def _run_step(job: StepJob) -> StepPeak:
     torch.manual_seed(0)
     model = build(job.model)
     wrapped = _wrap(model, job)
@@ -119,7 +193,9 @@ def run_step(job: StepJob) -> StepPeak:
         opt.step()
         opt.zero_grad(set_to_none=True)
     timeline = tracker.replay()
-    return StepPeak(timeline.peak.total, timeline.peak_phase, dict(timeline.phase_peaks))
+    return StepPeak(
+        timeline.peak.total, timeline.peak_phase, dict(timeline.phase_peaks), tracker.stray_frees
+    )
 
 
 def rank_main(rank: int, world: int, tmp: str, jobs: list[StepJob]) -> None:
