@@ -143,6 +143,7 @@ def write_converted(
             copier=copier,
             optim=optim,
             page_phase=page_phase(input_files(loaded)),
+            ranged=reads.ranged(layout, optim),
         )
         reads.check_copied(copier)
         bytes_read = reads.total
@@ -238,6 +239,17 @@ class _Reads:
         for path, offset, n in ranges:
             self.total += n
             yield FileRange(Path(path), offset, n)
+
+    def ranged(self, layout: Layout, optim) -> bool:
+        """Whether every tensor the layout reads lies in the source's files as ranges
+        (so the writer may copy them in any order; streamed bytes must be read in
+        order)."""
+        records = [e for b in layout.buffers for e in b.entries] + list(stored_kept(layout))
+        if any(_ranges(self.loaded.reader, self.loaded.stored_name(r)) is None for r in records):
+            return False
+        return optim is None or all(
+            _ranges(self.training.reader, t.key) is not None for t in self.training.tensors
+        )
 
     def check_copied(self, copier: Copier) -> None:
         """Readers that handed out ranges they can check (``check_copied``) check them

@@ -168,6 +168,7 @@ class Copier:
         self._stop: threading.Event | None = None  # set: a reading thread should stop
         self.used: dict[str, int] = {}  # method -> bytes moved with it
         self.reserve = True  # allocate output blocks before copying (off once refused)
+        self.overlap = True  # read back on a second thread while the kernel copies
 
     def _buffer(self) -> memoryview:
         if self._view is None:
@@ -200,7 +201,7 @@ class Copier:
     def _copy_and_read_back(self, src: FileRange, dst_fd, dst_off, tick) -> int:
         """The kernel copy, and the CRC of the same bytes read from the page cache by a
         second thread meanwhile (both release the GIL: two cores, one wall time)."""
-        if src.nbytes < OVERLAP_MIN or self._stop is not None:
+        if src.nbytes < OVERLAP_MIN or self._stop is not None or not self.overlap:
             self._pass(src, dst_fd, dst_off, tick, kernel=True)
             return self.crc_of(src)
         reader = Copier(self._size)

@@ -55,6 +55,7 @@ from .format import (
     rank_file_name,
 )
 from .optim_state import OptimState
+from .parallel_ranks import shard_pieces, write_side_by_side, writers_for
 from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
 from .writer import FileWriter
 
@@ -125,12 +126,15 @@ def write_flat(
     copier: Copier | None = None,
     optim: OptimState | None = None,
     page_phase: int | None = None,
+    ranged: bool = False,
 ) -> CheckpointInfo:
     """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
     folder when ``sharded``); paths in the result use ``final`` (the name it will
     be renamed to). ``copier`` moves the file ranges (a new one if not given).
     With ``optim``, ``buffer_bytes`` is also asked for each state buffer.
-    ``page_phase``: the source's (``writer.page_phase``), for page-aligned copies."""
+    ``page_phase``: the source's (``writer.page_phase``), for page-aligned copies.
+    ``ranged``: every piece is a file range or zeros, so rank files may be written
+    side by side (``parallel_ranks``)."""
     final = final or target
     shards = layout.world_size if sharded else 1
     slots = file_slots(layout, shards, optim)
@@ -145,7 +149,8 @@ def write_flat(
             writers[-1].suspend()
         feed = _Feed(copier or Copier(), _Switch(), None)
         buffers = {b.name: b for b in all_buffers(layout, optim)}
-        _fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, progress, feed)
+        fill = _fill_side_by_side if ranged and writers_for(len(writers)) > 1 else _fill
+        fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, progress, feed)
         for w in writers:
             w.finish()
     finally:
@@ -166,6 +171,27 @@ def _fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, pro
             _scatter(writers, slot.name, size, coalesce(buffer_bytes(b)), feed)
         else:
             _broadcast(writers, slot.name, coalesce(kept_bytes(kept[slot.name])), feed)
+
+
+def _fill_side_by_side(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes,
+                       progress, feed):  # fmt: skip
+    """``_fill``'s routing, with each buffer's pieces listed first and the rank files
+    then written by ``parallel_ranks.write_side_by_side``."""
+    kept = {t.name: t for t in stored_kept(layout)}
+    contents: list[list[tuple[str, list]]] = [[] for _ in writers]
+    for slot in slots:
+        if slot.name in buffers:
+            b = buffers[slot.name]
+            size = b.padded_numel // shards * dtypes.itemsize(b.dtype)
+            cut = shard_pieces(slot.name, list(coalesce(buffer_bytes(b))), size, shards)
+            for r, pieces in enumerate(cut):
+                contents[r].append((slot.name, pieces))
+        else:
+            pieces = list(coalesce(kept_bytes(kept[slot.name])))
+            for c in contents:
+                c.append((slot.name, pieces))
+    tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
+    write_side_by_side(writers, contents, feed.copier, tick, writers_for(len(writers)))
 
 
 @dataclass

@@ -93,6 +93,7 @@ def reshard_checkpoint(
             copier=copier,
             optim=ckpt.optim,
             page_phase=page_phase(ckpt.paths),
+            ranged=True,
         )
         checked = ckpt.verify(progress, copier)  # reads only what was not copied
     return ReshardResult(
