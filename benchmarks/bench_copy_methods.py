@@ -18,12 +18,9 @@ Ways with a checksum give the CRC-32 that ``convert`` stores; ``cp`` computes no
   fallback where ``copy_file_range`` is refused, e.g. across file systems);
 * ``copy_file_range``, then the CRC read back from the page cache (two passes in
   one thread), and with the read back in a second thread meanwhile (what ``Copier``
-  does), also without ``fallocate``, with the output shifted by 100 bytes, so that
-  no page of the output lines up with a page of the input (what a flat file whose
-  header is not padded to the source's offset gets, ``writer.py``), and shifted by
-  one page, so that pages line up but 64 KiB blocks do not (the page cache holds a
-  file read in large pieces as folios of up to 64 KiB and more, and the kernel
-  copies folio to folio where they line up);
+  does), also without ``fallocate``, and with the output shifted by 100 bytes, so
+  that no page of the output lines up with a page of the input (what a flat file
+  whose header is not padded to the source's page offset gets, ``writer.py``);
 * one buffered pass: ``preadv`` into a 4 MiB buffer, CRC-32, ``pwrite`` (what
   ``Copier`` does where no kernel copy works); the same with zlib's CRC-32 instead
   of isal's (``checkpoint/crc.py``);
@@ -55,15 +52,10 @@ from .common import DATA, MiB
 
 REPEAT = 7
 SHIFTED = "the same, output off the page"
-PAGE_ONLY = "the same, output a page off"
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to the device's block
 
 
 SHIFT = 100  # bytes: the output's offset in the page-shifted way
-# bytes: an output on the input's pages but not on its 64 KiB blocks (what a flat
-# file padded only to the source's page offset gets)
-PAGE_SHIFT = 4096
-SHIFTS = {SHIFTED: SHIFT, PAGE_ONLY: PAGE_SHIFT}
 
 
 def _copy_into(out: Path, size: int, work) -> None:
@@ -159,12 +151,11 @@ def methods(src: Path, out: Path) -> dict:
         "copy_file_range + CRC thread (yafsdp)": kernel_with_crc_thread,
         "the same, no fallocate ": lambda fd: kernel_with_crc_thread(fd, reserve=False),
         SHIFTED: lambda fd: kernel_with_crc_thread(fd, at=SHIFT),
-        PAGE_ONLY: lambda fd: kernel_with_crc_thread(fd, at=PAGE_SHIFT),
         "one buffered pass with CRC": one_pass,
         "the same, zlib CRC": one_pass_zlib,
         "O_DIRECT writes with CRC": lambda fd: direct_copy(src, out, fd),
     }
-    sizes = {k: size + SHIFTS.get(k, 0) for k in table}
+    sizes = {k: size + (SHIFT if k == SHIFTED else 0) for k in table}
     return {
         k: (lambda w=w, n=sizes[k]: _copy_into(out, n, w)) if w else None for k, w in table.items()
     }
@@ -208,7 +199,7 @@ def main() -> bool:
                 table[name]()
             times[name].append(time.perf_counter() - start)
             cpus[name].append(_cpu_s() - cpu)
-            _check(name, out, SHIFTS.get(name, 0), whole, want)
+            _check(name, out, SHIFT if name == SHIFTED else 0, whole, want)
     out.unlink()
     cp = statistics.median(times["cp"])
     for name, ts in times.items():

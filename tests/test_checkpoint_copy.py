@@ -525,23 +525,21 @@ def _data_start(path: Path) -> int:
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_block(
+def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_page(
     tmp_path, monkeypatch, sharded
 ):
     """The header is padded with spaces so that every copied range lies at the same
-    offset within a 64 KiB block in the output as in the input; the files still read
-    as before, by yafsdp and by the safetensors library, and restore gives the
-    tensors back."""
+    page offset in the output as in the input; the files still read as before, by
+    yafsdp and by the safetensors library, and restore gives the tensors back."""
     import yafsdp_cli.checkpoint.writer as writer_mod
 
     monkeypatch.setattr(writer_mod, "PAGE_ALIGN_MIN", 0)  # the samples are small
     src = sample("llama.safetensors")
-    block = writer_mod.ALIGN_BLOCK
-    phase = _data_start(src) % block
+    phase = _data_start(src) % 4096
     out = tmp_path / ("set" if sharded else "flat.safetensors")
     convert_checkpoint(src, out, world_size=4, sharded=sharded, verify=True)
     files = sorted(out.glob("*.safetensors")) if sharded else [out]
-    assert files and {_data_start(f) % block for f in files} == {phase}
+    assert files and {_data_start(f) % 4096 for f in files} == {phase}
     for f in files:
         header, _ = read_header(f)  # the spaces are JSON whitespace
         assert header["__metadata__"]["yafsdp.format"]
@@ -550,11 +548,11 @@ def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_block(
     reshard_checkpoint(out, again, world_size=3)
     direct = tmp_path / "direct.safetensors"
     convert_checkpoint(src, direct, world_size=3)
-    assert _data_start(again) % block == phase
+    assert _data_start(again) % 4096 == phase
     assert again.read_bytes() == direct.read_bytes()  # as a direct conversion
     back = tmp_path / "back.safetensors"
     restore_checkpoint(again, back)
-    assert _data_start(back) % block == phase  # restore follows its input's too
+    assert _data_start(back) % 4096 == phase  # restore follows its input's too
     assert_same_tensors(load_st(src), load_st(back))
 
 

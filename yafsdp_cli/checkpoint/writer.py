@@ -37,17 +37,13 @@ from ..fileio import write_error
 from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
 
-# A big file's data starts at its source's offset within a block of this size: the
-# kernel then copies page-cache folios whole (``benchmarks/bench_copy_methods.py``,
-# "output a page off": lined up by pages only, a copy takes about 1.5x as long).
-ALIGN_BLOCK = 64 * 1024
-PAGE_ALIGN_MIN = 64 * 1024 * 1024  # data this long is worth up to a block of padding
+PAGE = 4096
+PAGE_ALIGN_MIN = 64 * 1024 * 1024  # data this long is worth up to a page of padding
 
 
 def page_phase(paths: Sequence[Path]) -> int | None:
-    """Where the data of the first safetensors file among ``paths`` starts within an
-    ``ALIGN_BLOCK`` (``FileWriter``'s ``page_phase``); None when there is none to
-    follow."""
+    """Where the data of the first safetensors file among ``paths`` starts within a
+    page (``FileWriter``'s ``page_phase``); None when there is none to follow."""
     for path in paths:
         if Path(path).suffix != ".safetensors":
             continue
@@ -56,7 +52,7 @@ def page_phase(paths: Sequence[Path]) -> int | None:
                 head = f.read(8)
         except OSError:
             return None  # the reader reports it
-        return (8 + struct.unpack("<Q", head)[0]) % ALIGN_BLOCK if len(head) == 8 else None
+        return (8 + struct.unpack("<Q", head)[0]) % PAGE if len(head) == 8 else None
     return None
 
 
@@ -87,8 +83,8 @@ class FileWriter:
         self._padded_len: int | None = None
         header = self._header({s.name: placeholder() for s in slots})
         if page_phase is not None and sum(s.nbytes for s in slots) >= PAGE_ALIGN_MIN:
-            # spaces until the data starts where the source's does within a block
-            self._padded_len = len(header) + (page_phase - 8 - len(header)) % ALIGN_BLOCK
+            # spaces until the data starts where the source's does within a page
+            self._padded_len = len(header) + (page_phase - 8 - len(header)) % PAGE
             header = self._header({s.name: placeholder() for s in slots})
         self.header_len = len(header)
         self.data_start = 8 + len(header)
