@@ -101,18 +101,46 @@ def _keeping_buckets(kept: list):
     return hook
 
 
-def _private(collective):
-    """``collective(output, input, ...)`` run on untracked copies of both tensors
-    and waited for; the result is copied into ``output``. The returned work (if
-    the caller asked for one) has finished and holds only the copies."""
+def private_copies(collective):
+    """``collective(output, input, ...)`` (positional, or by the keywords torch and
+    DeepSpeed use) run on untracked copies of both tensors and waited for; the
+    result is copied into ``output``. The returned work (if the caller asked for
+    one) has finished and holds only the copies."""
 
-    def run(output, input, *args, **kwargs):
+    def run(*args, **kwargs):
+        rest = list(args)
+        output = _take(rest, kwargs, ("output_tensor", "output"))
+        input = _take(rest, kwargs, ("input_tensor", "input"))
         with _disable_current_modes():
             out, inp = torch.empty_like(output), input.clone()
-            work = collective(out, inp, *args, **kwargs)
+            work = collective(out, inp, *rest, **kwargs)
             if work is not None:
                 work.wait()
             output.copy_(out)
+        return work
+
+    return run
+
+
+def _take(args: list, kwargs: dict, names: tuple[str, ...]):
+    """The argument given by one of ``names``, else the first positional one."""
+    for name in names:
+        if name in kwargs:
+            return kwargs.pop(name)
+    return args.pop(0)
+
+
+def private_in_place(collective):
+    """``collective(tensor, ...)`` (an all-reduce or broadcast in place) run on an
+    untracked copy, waited for, and copied back."""
+
+    def run(tensor, *args, **kwargs):
+        with _disable_current_modes():
+            copy = tensor.clone()
+            work = collective(copy, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            tensor.copy_(copy)
         return work
 
     return run
@@ -132,23 +160,25 @@ def _private_broadcast(broadcast):
     return run
 
 
+# what FSDP2 and DDP call, each looked up on ``torch.distributed`` at every call
+ENGINE_COLLECTIVES = {
+    "all_gather_single": private_copies,
+    "reduce_scatter_single": private_copies,
+    "_broadcast_coalesced": _private_broadcast,
+}
+
+
 @contextlib.contextmanager
-def settled_collectives():
-    """The collectives FSDP2 and DDP call (looked up on ``torch.distributed`` at
-    each call) through private copies."""
-    wrappers = {
-        "all_gather_single": _private,
-        "reduce_scatter_single": _private,
-        "_broadcast_coalesced": _private_broadcast,
-    }
-    saved = {n: getattr(dist, n) for n in wrappers}
+def settled_collectives(wrappers: dict = ENGINE_COLLECTIVES, owner=dist):
+    """``owner``'s collectives named in ``wrappers`` through private copies."""
+    saved = {n: getattr(owner, n) for n in wrappers}
     for n, wrap in wrappers.items():
-        setattr(dist, n, wrap(saved[n]))
+        setattr(owner, n, wrap(saved[n]))
     try:
         yield
     finally:
         for n, f in saved.items():
-            setattr(dist, n, f)
+            setattr(owner, n, f)
 
 
 def run_step(job: StepJob) -> StepPeak:

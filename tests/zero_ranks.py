@@ -8,6 +8,10 @@ that step (DeepSpeed's flat parameter groups, partitions, optimizer states) is
 registered first, found through the garbage collector, so the peak counts all the
 rank holds.
 
+As in ``scheme_ranks``, the collectives get private copies (``_settled_zero``), so
+no storage of the step is freed by gloo's thread at a moment of its choosing, and
+each rank reports how many were freed off its main thread anyway (0 expected).
+
 DeepSpeed's CPU communication starts by compiling a shared-memory all-reduce op, a
 C++ build of minutes; without it DeepSpeed's collectives go through
 ``torch.distributed``, which is what the test wants, so the harness skips the build.
@@ -15,6 +19,7 @@ C++ build of minutes; without it DeepSpeed's collectives go through
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -23,7 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from tests.fsdp2_ranks import build, serve_rank
-from tests.scheme_ranks import LocalStorages
+from tests.scheme_ranks import (
+    LocalStorages,
+    private_copies,
+    private_in_place,
+    settled_collectives,
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,33 @@ def _step(engine, ids: torch.Tensor, tracker: LocalStorages | None = None) -> No
     engine.step()
 
 
-def run_zero_step(job: ZeroJob) -> int:
-    """The third step's peak bytes on this rank."""
+# What ZeRO calls on ``torch.distributed`` at every call, and the all-gather and
+# reduce-scatter that DeepSpeed's communication backend keeps references to (ZeRO-3
+# fetches parameters through them).
+ZERO_COLLECTIVES = {
+    "all_gather_into_tensor": private_copies,
+    "reduce_scatter_tensor": private_copies,
+    "all_reduce": private_in_place,
+    "broadcast": private_in_place,
+}
+BACKEND_COLLECTIVES = {
+    "all_gather_function": private_copies,
+    "reduce_scatter_function": private_copies,
+}
+
+
+@contextlib.contextmanager
+def _settled_zero():
+    """``scheme_ranks.settled_collectives`` for DeepSpeed's collectives."""
+    from deepspeed.comm import comm
+
+    with settled_collectives(ZERO_COLLECTIVES), settled_collectives(BACKEND_COLLECTIVES, comm.cdb):
+        yield
+
+
+def run_zero_step(job: ZeroJob) -> tuple[int, int]:
+    """The third step's peak bytes on this rank, and how many of the storages it
+    tracked were freed off the rank's main thread (``scheme_ranks``: 0 expected)."""
     engine = _engine(job)
     vocab = engine.module.config.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -79,11 +114,11 @@ def run_zero_step(job: ZeroJob) -> int:
     gc.collect()
     tracker = LocalStorages(1)
     tracker.assign(_alive_tensors(), "parameters")
-    with tracker:
+    with _settled_zero(), tracker:
         _step(engine, ids, tracker)
     peak = tracker.replay().peak.total
     engine.destroy()
-    return peak
+    return peak, tracker.stray_frees
 
 
 def rank_main(rank: int, world: int, tmp: str, jobs: list[ZeroJob]) -> None:
