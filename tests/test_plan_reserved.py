@@ -153,7 +153,9 @@ def test_best_and_advised_rows_are_replayed_from_their_own_runs(llama):
     assert report.best.reserved_replayed
     b = report.best
     peak, direct = cell_replay(llama, b.world_size, b.micro_batch, b.checkpointing)
-    assert b.reserved_bytes == direct + max(b.peak_bytes - peak, 0)
+    # the cell's own fake step, not the line, gives its allocated and reserved peaks
+    assert (b.peak_bytes, b.reserved_bytes, b.measured) == (peak, direct, True)
+    assert b.fragmentation_bytes == direct - peak
     for c in report.reserved_checks:
         row = next(
             r
@@ -164,6 +166,40 @@ def test_best_and_advised_rows_are_replayed_from_their_own_runs(llama):
         assert row.reserved_replayed
         assert c.replayed_bytes in (row.reserved_bytes, getattr(row.fits_with, "reserved_bytes", 0))
     assert any(not r.reserved_replayed for r in report.rows)
+
+
+def test_a_cell_with_its_own_run_reports_that_run_not_the_line(llama, monkeypatch):
+    """The line only estimates a cell; where the cell has a fake step of its own (a
+    measured one, the best row's replay) the row gives that step's allocated and
+    reserved peaks, as ``profile --fake`` of the cell does. A line made 1 MiB wrong
+    shows in every carried row and in none with a run."""
+    from yafsdp_cli.planning import measure
+
+    real = measure.PhaseLine.at
+
+    def off(self, micro_batch, world_size):
+        phase, act, temp = real(self, micro_batch, world_size)
+        return phase, act, temp + MIB
+
+    monkeypatch.setattr(measure.PhaseLine, "at", off)
+    opts = PlanOptions(
+        gpu_memory=8 * MIB, reserve=0, margin=0, world_sizes=(1, 2, 4),
+        micro_batches=(1, 2, 4, 8), seq_len=SEQ, jobs=1,
+    )  # fmt: skip
+    report = plan_model(llama, opts)
+    monkeypatch.setattr(measure.PhaseLine, "at", real)
+    truth = plan_model(llama, opts)
+    own = [r for r in report.rows if r.reserved_replayed]
+    carried = [r for r in report.rows if not r.reserved_replayed]
+    assert own and carried and report.best in own
+    for r in own:
+        peak, reserved = cell_replay(llama, r.world_size, r.micro_batch, r.checkpointing)
+        assert (r.peak_bytes, r.reserved_bytes, r.measured) == (peak, reserved, True), r
+    same = {(r.world_size, r.micro_batch, r.checkpointing): r for r in truth.rows}
+    for r in carried:
+        t = same[(r.world_size, r.micro_batch, r.checkpointing)]
+        assert r.peak_bytes == t.peak_bytes + MIB
+        assert r.breakdown.temporaries == t.breakdown.temporaries + MIB
 
 
 def test_plan_json_carries_the_reserved_figures():

@@ -29,7 +29,7 @@ from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
-from .reserved_fit import ReservedFit, keeping_margin, settle
+from .reserved_fit import ReservedFit, keeping_margin, settle, with_own_run
 from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -202,7 +202,7 @@ def _row(ws, mb, ck, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
         m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
     )
     peak = m.total + act + temp
-    return PlanRow(
+    row = PlanRow(
         world_size=ws,
         micro_batch=mb,
         seq_len=seq_len,
@@ -213,6 +213,7 @@ def _row(ws, mb, ck, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
         measured=ws in line.world_sizes,
         **fit.fields(ws, mb, ck, peak),
     )
+    return with_own_run(row, fit)
 
 
 def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
