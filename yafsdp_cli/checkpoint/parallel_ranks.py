@@ -1,18 +1,18 @@
 """Rank files of a sharded set written side by side, when every byte comes from a file.
 
 The kernel copies into one file at one core's speed, and the copies into
-different files do not wait for each other: ``python -m benchmarks.run convert``
-measures ``convert -n 8 --sharded`` of a 1.2 GiB checkpoint, and the same sets
-with optimizer state (``convert_optim``), with one writer thread per core against
-one in all. So when the source hands out only file ranges and zeros (a
-safetensors or DCP source, a flat checkpoint), ``write_side_by_side`` lists each
-buffer's pieces once (a few per tensor), cuts them at the shard boundaries, and
-``WRITERS`` threads each take the next rank file and write it whole, in slot
-order, with a ``Copier`` of their own that shares the caller's ledger and reads
-each range back for its checksum after copying it (no third thread: the two
-writers already keep two cores busy, and measured faster that way). Sources
-whose bytes stream (a ``.pt`` state dict) keep the one-file-at-a-time path of
-``flat_writer``, since their chunks are valid only until the next is read.
+different files do not wait for each other (``python -m benchmarks.run convert``
+and ``convert_optim`` time the sharded commands; docs/checkpoints.md, "Copying at
+the speed of cp", compares one writer with two). So when the source hands out only
+file ranges and zeros (a safetensors or DCP source, a flat checkpoint),
+``write_side_by_side`` lists each buffer's pieces once (a few per tensor), cuts
+them at the shard boundaries, and ``WRITERS`` threads each take the next rank file
+and write it whole, in slot order, with a ``Copier`` of their own that shares the
+caller's ledger and reads each range back for its checksum after copying it: the
+two writers already keep two cores busy, and a third thread per range to read
+back meanwhile only competes with them. Sources whose bytes stream (a ``.pt``
+state dict) keep the one-file-at-a-time path of ``flat_writer``, since their
+chunks are valid only until the next is read.
 
 The writers pass their byte counts to the calling thread, which reports progress
 (the bars are not thread-safe) and receives Ctrl-C: an error there stops the
