@@ -16,7 +16,7 @@ from yafsdp_cli.checkpoint import (
 )
 from yafsdp_cli.checkpoint import copy as copy_mod
 from yafsdp_cli.checkpoint.copy import FileRange, Zeros
-from yafsdp_cli.checkpoint.parallel_ranks import shard_pieces
+from yafsdp_cli.checkpoint.flat_writer import shard_pieces
 
 
 def files_of(folder) -> dict[str, bytes]:

@@ -55,7 +55,7 @@ from .format import (
     rank_file_name,
 )
 from .optim_state import OptimState
-from .parallel_ranks import shard_pieces, write_side_by_side, writers_for
+from .parallel_ranks import write_side_by_side, writers_for
 from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
 from .writer import FileWriter
 
@@ -222,29 +222,46 @@ class _Switch:
 
 def _scatter(writers, name: str, size: int, pieces: Pieces, feed: _Feed) -> None:
     """Bytes ``[r * size, (r + 1) * size)`` of the pieces go to ``writers[r]``."""
-    r, filled = 0, 0
+    r = 0
     feed.switch(writers[0]).begin(name)
-    for piece in pieces:
-        while size_of(piece):
-            while filled == size:
-                writers[r].end()
-                r, filled = r + 1, 0
-                if r == len(writers):
-                    raise CheckpointError(f"{name}: the data is longer than the layout says")
-                feed.switch(writers[r]).begin(name)
-            k = min(size_of(piece), size - filled)
-            head, piece = split(piece, k)
-            feed.put(writers[r], head)
-            filled += k
+    for rank, head in _cut(name, pieces, size, len(writers)):
+        while r < rank:
+            writers[r].end()
+            r += 1
+            feed.switch(writers[r]).begin(name)
+        feed.put(writers[r], head)
     while True:
-        if filled != size:
-            short = size - filled + (len(writers) - r - 1) * size
-            raise CheckpointError(f"{name}: the data ended {short} bytes short of the layout")
         writers[r].end()
-        r, filled = r + 1, 0
+        r += 1
         if r == len(writers):
             return
         feed.switch(writers[r]).begin(name)
+
+
+def shard_pieces(name: str, pieces: list, size: int, shards: int) -> list[list]:
+    """``pieces`` (a whole buffer) cut into ``shards`` lists of ``size`` bytes each."""
+    out: list[list] = [[] for _ in range(shards)]
+    for r, head in _cut(name, pieces, size, shards):
+        out[r].append(head)
+    return out
+
+
+def _cut(name: str, pieces: Pieces, size: int, shards: int) -> Iterator[tuple[int, object]]:
+    """``(rank, piece)``: the pieces of a whole buffer, cut where each rank's ``size``
+    bytes end; the buffer must be ``shards * size`` bytes long."""
+    r, filled = 0, 0
+    for piece in pieces:
+        while size_of(piece):
+            if filled == size:
+                r, filled = r + 1, 0
+                if r == shards:
+                    raise CheckpointError(f"{name}: the data is longer than the layout says")
+            head, piece = split(piece, min(size_of(piece), size - filled))
+            filled += size_of(head)
+            yield r, head
+    short = (shards - r) * size - filled
+    if short:
+        raise CheckpointError(f"{name}: the data ended {short} bytes short of the layout")
 
 
 def _broadcast(writers, name: str, pieces: Pieces, feed: _Feed) -> None:

@@ -3,16 +3,16 @@
 The kernel copies into one file at one core's speed, and the copies into
 different files do not wait for each other (``python -m benchmarks.run convert``
 and ``convert_optim`` time the sharded commands; docs/checkpoints.md, "Copying at
-the speed of cp", compares one writer with two). So when the source hands out only
+the speed of cp"). So when the source hands out only
 file ranges and zeros (a safetensors or DCP source, a flat checkpoint),
-``write_side_by_side`` lists each buffer's pieces once (a few per tensor), cuts
-them at the shard boundaries, and ``WRITERS`` threads each take the next rank file
-and write it whole, in slot order, with a ``Copier`` of their own that shares the
-caller's ledger and reads each range back for its checksum after copying it: the
-two writers already keep two cores busy, and a third thread per range to read
-back meanwhile only competes with them. Sources whose bytes stream (a ``.pt``
-state dict) keep the one-file-at-a-time path of ``flat_writer``, since their
-chunks are valid only until the next is read.
+``flat_writer`` lists each buffer's pieces once (a few per tensor) and cuts them
+at the shard boundaries, and ``write_side_by_side``'s ``WRITERS`` threads each
+take the next rank file and write it whole, in slot order, with a ``Copier`` of
+their own that shares the caller's ledger and reads each range back for its
+checksum after copying it: the two writers already keep two cores busy, and a
+third thread per range to read back meanwhile only competes with them. Sources
+whose bytes stream (a ``.pt`` state dict) keep the one-file-at-a-time path of
+``flat_writer``, since their chunks are valid only until the next is read.
 
 The writers pass their byte counts to the calling thread, which reports progress
 (the bars are not thread-safe) and receives Ctrl-C: an error there stops the
@@ -28,8 +28,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from ..errors import CheckpointError
-from .copy import Copier, coalesce, size_of, split
+from .copy import Copier, coalesce
 from .writer import FileWriter
 
 WRITERS = 2  # threads; at most one per core and one per rank file
@@ -38,25 +37,6 @@ WRITERS = 2  # threads; at most one per core and one per rank file
 def writers_for(shards: int) -> int:
     """How many threads write ``shards`` rank files (1: write them in turn)."""
     return min(WRITERS, os.cpu_count() or 1, shards)
-
-
-def shard_pieces(name: str, pieces: list, size: int, shards: int) -> list[list]:
-    """``pieces`` (a whole buffer) cut into ``shards`` lists of ``size`` bytes each."""
-    out: list[list] = [[] for _ in range(shards)]
-    r, filled = 0, 0
-    for piece in pieces:
-        while size_of(piece):
-            if filled == size:
-                r, filled = r + 1, 0
-                if r == shards:
-                    raise CheckpointError(f"{name}: the data is longer than the layout says")
-            head, piece = split(piece, min(size_of(piece), size - filled))
-            out[r].append(head)
-            filled += size_of(head)
-    short = (shards - r) * size - filled
-    if short:
-        raise CheckpointError(f"{name}: the data ended {short} bytes short of the layout")
-    return out
 
 
 class _Stopped(Exception):  # noqa: N818 - a signal between threads, not an error

@@ -159,8 +159,14 @@ def _up_to(n: float, step: int) -> int:
     return math.ceil(n / step) * step
 
 
+def _top_phase(figures: dict[str, int]) -> tuple[str, int]:
+    """A run's highest phase and its peak (the phase peaks alone: other figures are
+    named ``kind:...``)."""
+    return max(((k, v) for k, v in figures.items() if ":" not in k), key=lambda kv: kv[1])
+
+
 def _peak(figures: dict[str, int]) -> int:
-    return max(v for k, v in figures.items() if ":" not in k)  # the phase peaks alone
+    return _top_phase(figures)[1]
 
 
 def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):
@@ -188,21 +194,21 @@ def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callab
 def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
     """``row`` after the replays: its own run's peaks where it now has one, and its
     reserved fields anew."""
-    row = with_own_run(row, fit)
     key = (row.world_size, row.micro_batch, row.checkpointing)
+    if fit.figures(key) is not None:
+        return with_own_run(row, fit)
     return dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
 
 
 def with_own_run(row: PlanRow, fit: ReservedFit) -> PlanRow:
     """A cell with a fake step of its own reports that step's allocated peak and
     phase, as ``profile --fake`` of the cell gives them, and the reserved fields
-    that go with it; the line's figure only estimates it (Llama-2-70B,
-    checkpointed, micro-batch 8 at world size 256: 4.4% under). The difference goes
-    to ``temporaries``."""
+    that go with it; the line's figure only estimates it (how far, the plan's
+    linearity checks report). The difference goes to ``temporaries``."""
     own = fit.figures((row.world_size, row.micro_batch, row.checkpointing))
     if own is None:
         return row
-    phase, peak = max(((k, v) for k, v in own.items() if ":" not in k), key=lambda kv: kv[1])
+    phase, peak = _top_phase(own)
     b = row.breakdown
     breakdown = dataclasses.replace(b, temporaries=b.temporaries + peak - row.peak_bytes)
     return dataclasses.replace(
