@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import json
 import subprocess
 import sys
 
@@ -94,3 +96,67 @@ def test_the_root_help_still_lists_every_command():
     assert result.returncode == 0, result.stderr
     for name in ("check", "convert", "restore", "reshard", "inspect", "verify", "plan", "profile"):
         assert name in result.stdout
+
+
+def test_restore_imports_only_the_modules_it_runs(tmp_path):
+    """The library's packages import a module when one of its names is first used:
+    restoring a checkpoint without optimizer state loads no source reader, none of
+    convert's planning and no optimizer-state parser."""
+    flat, back = tmp_path / "f.safetensors", tmp_path / "b.safetensors"
+    assert run("convert", "sample_models/mlp.safetensors", "-o", str(flat)).returncode == 0
+    code = (
+        "import sys\n"
+        "from yafsdp_cli.cli import main\n"
+        f"sys.argv = ['yafsdp', 'restore', {str(flat)!r}, '-o', {str(back)!r}, '--json']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print(sorted(m for m in sys.modules if m.startswith('yafsdp_cli.')), file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    loaded = set(ast.literal_eval(result.stderr.strip().splitlines()[-1]))
+    assert "yafsdp_cli.checkpoint.restore" in loaded and back.is_file()
+    unused = {
+        "yafsdp_cli.checkpoint.convert",
+        "yafsdp_cli.checkpoint.optim_state",
+        "yafsdp_cli.engine.plan",
+        "yafsdp_cli.engine.filters",
+        "yafsdp_cli.sources.load",
+        "yafsdp_cli.sources.torch_pickle",
+    }
+    assert not loaded & unused, sorted(loaded & unused)
+
+
+# A module-level object whose __del__ reports the interpreter's teardown, and an
+# atexit handler; then the console script.
+_CONSOLE = """
+import atexit, sys
+class Teardown:
+    def __del__(self):
+        sys.stderr.write("teardown ran\\n")
+keep = Teardown()
+atexit.register(lambda: sys.stderr.write("atexit ran\\n"))
+if sys.argv[1] == "torch":
+    import torch
+sys.argv = ["yafsdp", *sys.argv[2:]]
+from yafsdp_cli.cli import console
+console()
+"""
+
+
+@pytest.mark.parametrize("torch", [False, True])
+def test_the_console_script_skips_only_the_teardown(torch):
+    """Without torch the script flushes its output, runs atexit handlers and leaves
+    the modules as they are; with torch loaded it exits the ordinary way."""
+    argv = ["torch" if torch else "-", "inspect", "sample_models/mlp.safetensors", "--json"]
+    ok = subprocess.run([sys.executable, "-c", _CONSOLE, *argv], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["schema"] == "yafsdp.inspect/1"  # all of it, flushed
+    assert "atexit ran" in ok.stderr
+    assert ("teardown ran" in ok.stderr) == torch
+    bad = [argv[0], "inspect", "no/such/file.safetensors"]
+    failed = subprocess.run([sys.executable, "-c", _CONSOLE, *bad], capture_output=True, text=True)
+    assert failed.returncode == 2 and "no such file or folder" in failed.stderr
+    assert "atexit ran" in failed.stderr

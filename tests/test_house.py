@@ -17,6 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "yafsdp_cli"
 # a rank do not import each other.
 RANKS = {
     "errors": 0,
+    "lazy": 0,
     "fileio": 1,
     "engine": 2,
     "options": 3,

@@ -12,8 +12,10 @@ torch (``convert_module``, ``spec_from_module``...) load it on first use.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from . import lazy
 from .engine.layout import AlignSpec, BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
-from .engine.plan import plan
 from .engine.records import ModelSpec, TensorRecord
 from .errors import (
     CheckpointError,
@@ -26,24 +28,29 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+# Names imported on first use (``lazy.py`` says why): the ones that need torch, and
+# ``plan``, whose filters a command that only copies bytes never uses.
 _LAZY = {
+    "plan": "engine.plan",
     "convert_module": "engine.flat",
     "FlatModel": "engine.flat",
     "spec_from_module": "engine.module_spec",
 }
 
+if TYPE_CHECKING:
+    from .engine.flat import FlatModel, convert_module
+    from .engine.module_spec import spec_from_module
+    from .engine.plan import plan
+
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy.attribute(__name__, _LAZY, name)
 
 
 __all__ = [
     "AlignSpec",
     "BufferLayout",
+    "FlatModel",
     "CheckpointError",
     "ConversionError",
     "FilterError",
@@ -55,7 +62,8 @@ __all__ = [
     "SourceError",
     "TensorRecord",
     "YafsdpError",
+    "convert_module",
     "parse_align",
     "plan",
-    *_LAZY,
+    "spec_from_module",
 ]

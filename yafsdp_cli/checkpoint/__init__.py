@@ -41,21 +41,51 @@ Everything streams: no function here holds a model, and none imports torch excep
 
 from __future__ import annotations
 
-from .convert import convert_checkpoint, write_converted
-from .format import CHECKSUM_ALGO, FORMAT_VERSION, INDEX_NAME
-from .reader import FlatCheckpoint, open_flat
-from .reshard import relayout, reshard_checkpoint
-from .restore import restore_checkpoint
-from .results import (
-    BufferInfo,
-    CheckpointInfo,
-    ConvertResult,
-    Progress,
-    ReshardResult,
-    RestoreResult,
-    RoundTrip,
-    WrittenFile,
-)
+from typing import TYPE_CHECKING
+
+from .. import lazy
+
+# Where each public name lives: a command imports only the modules it runs
+# (``restore`` never imports ``convert``; ``lazy.py`` says why).
+_HOMES = {
+    "convert_checkpoint": "convert",
+    "write_converted": "convert",
+    "CHECKSUM_ALGO": "format",
+    "FORMAT_VERSION": "format",
+    "INDEX_NAME": "format",
+    "FlatCheckpoint": "reader",
+    "open_flat": "reader",
+    "relayout": "reshard",
+    "reshard_checkpoint": "reshard",
+    "restore_checkpoint": "restore",
+    **dict.fromkeys(
+        ("BufferInfo", "CheckpointInfo", "ConvertResult", "Progress", "ReshardResult",
+         "RestoreResult", "RoundTrip", "WrittenFile"),
+        "results",
+    ),
+}  # fmt: skip
+
+if TYPE_CHECKING:
+    from .convert import convert_checkpoint, write_converted
+    from .format import CHECKSUM_ALGO, FORMAT_VERSION, INDEX_NAME
+    from .reader import FlatCheckpoint, open_flat
+    from .reshard import relayout, reshard_checkpoint
+    from .restore import restore_checkpoint
+    from .results import (
+        BufferInfo,
+        CheckpointInfo,
+        ConvertResult,
+        Progress,
+        ReshardResult,
+        RestoreResult,
+        RoundTrip,
+        WrittenFile,
+    )
+
+
+def __getattr__(name: str):
+    return lazy.attribute(__name__, _HOMES, name)
+
 
 __all__ = [
     "CHECKSUM_ALGO",

@@ -25,6 +25,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
@@ -54,10 +55,12 @@ from .format import (
     layout_text,
     rank_file_name,
 )
-from .optim_state import OptimState
 from .parallel_ranks import write_side_by_side, writers_for
 from .results import BufferInfo, CheckpointInfo, Progress, WrittenFile
 from .writer import FileWriter
+
+if TYPE_CHECKING:  # a checkpoint without optimizer state never imports its parser
+    from .optim_state import OptimState
 
 Pieces = Iterable  # of copy.FileRange, copy.Zeros or bytes-like chunks
 

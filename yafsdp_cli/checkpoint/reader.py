@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
@@ -51,8 +52,10 @@ from .format import (
     rank_file_name,
 )
 from .integrity import StoredTensor, Ticks, digest_of, padding
-from .optim_state import OptimState, parse_optim
 from .results import Progress
+
+if TYPE_CHECKING:  # parsed only where a checkpoint holds optimizer state
+    from .optim_state import OptimState
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,11 @@ def _optim(text, version, where: str, layout: Layout) -> OptimState | None:
             f"{where}: version {version} with{'' if text is not None else 'out'} an optimizer "
             "record; the metadata is damaged"
         )
-    return None if text is None else parse_optim(str(text), where, layout)
+    if text is None:
+        return None
+    from .optim_state import parse_optim
+
+    return parse_optim(str(text), where, layout)
 
 
 def _need(md: dict[str, str], key: str, path: Path) -> str:

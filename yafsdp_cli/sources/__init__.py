@@ -28,9 +28,30 @@ it never imports verify, profiling, checkpoint or the CLI.
 
 from __future__ import annotations
 
-from .files import TORCH_SUFFIXES, natural_key, spec_from_tensors, weights_in_folder, with_spec
-from .load import load_source
-from .loaded import NO_ARCH_NOTE, LoadedModel, TensorReader
+from typing import TYPE_CHECKING
+
+from .. import lazy
+
+# Where each public name lives: reading a flat checkpoint's safetensors header
+# imports ``safetensors_file`` alone, not every loader (``lazy.py`` says why).
+_HOMES = {
+    **dict.fromkeys(
+        ("TORCH_SUFFIXES", "natural_key", "spec_from_tensors", "weights_in_folder", "with_spec"),
+        "files",
+    ),
+    "load_source": "load",
+    **dict.fromkeys(("NO_ARCH_NOTE", "LoadedModel", "TensorReader"), "loaded"),
+}
+
+if TYPE_CHECKING:
+    from .files import TORCH_SUFFIXES, natural_key, spec_from_tensors, weights_in_folder, with_spec
+    from .load import load_source
+    from .loaded import NO_ARCH_NOTE, LoadedModel, TensorReader
+
+
+def __getattr__(name: str):
+    return lazy.attribute(__name__, _HOMES, name)
+
 
 __all__ = [
     "NO_ARCH_NOTE",
