@@ -21,6 +21,9 @@ Ways with a checksum give the CRC-32 that ``convert`` stores; ``cp`` computes no
   does), also without ``fallocate``, and with the output shifted by 100 bytes, so
   that no page of the output lines up with a page of the input (what a flat file
   whose header is not padded to the source's page offset gets, ``writer.py``);
+* the same, the output 8 KiB in (on the page, off the 64 KiB grid, as a file whose
+  header is 8 KiB long has it): with the first call ending on the output's next
+  64 KiB boundary (what ``Copier`` does, ``copy.WRITE_ALIGN``) and without;
 * one buffered pass: ``preadv`` into a 4 MiB buffer, CRC-32, ``pwrite`` (what
   ``Copier`` does where no kernel copy works); the same with zlib's CRC-32 instead
   of isal's (``checkpoint/crc.py``);
@@ -43,6 +46,7 @@ import threading
 import time
 from pathlib import Path
 
+from yafsdp_cli.checkpoint import copy as copy_mod
 from yafsdp_cli.checkpoint import crc as crc_mod
 from yafsdp_cli.checkpoint.copy import Copier, FileRange
 from yafsdp_cli.checkpoint.format import Checksum
@@ -56,6 +60,10 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to the device's b
 
 
 SHIFT = 100  # bytes: the output's offset in the page-shifted way
+OFF_GRID = 8192  # bytes: the output's offset in the two off-the-grid ways
+LEAD = "output 8 KiB in, lead step (yafsdp)"
+NO_LEAD = "output 8 KiB in, no lead step"
+AT = {SHIFTED: SHIFT, LEAD: OFF_GRID, NO_LEAD: OFF_GRID}  # the others copy to offset 0
 
 
 def _copy_into(out: Path, size: int, work) -> None:
@@ -130,6 +138,13 @@ def methods(src: Path, out: Path) -> dict:
         c.reserve = reserve
         c.copy(whole, fd, at, Checksum())
 
+    def without_lead_step(fd):
+        align, copy_mod.WRITE_ALIGN = copy_mod.WRITE_ALIGN, 1  # every call a full step
+        try:
+            kernel_with_crc_thread(fd, at=OFF_GRID)
+        finally:
+            copy_mod.WRITE_ALIGN = align
+
     def one_pass(fd):
         c = Copier()
         c.disabled.update({"copy_file_range", "sendfile"})  # as where both are refused
@@ -151,11 +166,13 @@ def methods(src: Path, out: Path) -> dict:
         "copy_file_range + CRC thread (yafsdp)": kernel_with_crc_thread,
         "the same, no fallocate ": lambda fd: kernel_with_crc_thread(fd, reserve=False),
         SHIFTED: lambda fd: kernel_with_crc_thread(fd, at=SHIFT),
+        LEAD: lambda fd: kernel_with_crc_thread(fd, at=OFF_GRID),
+        NO_LEAD: without_lead_step,
         "one buffered pass with CRC": one_pass,
         "the same, zlib CRC": one_pass_zlib,
         "O_DIRECT writes with CRC": lambda fd: direct_copy(src, out, fd),
     }
-    sizes = {k: size + (SHIFT if k == SHIFTED else 0) for k in table}
+    sizes = {k: size + AT.get(k, 0) for k in table}
     return {
         k: (lambda w=w, n=sizes[k]: _copy_into(out, n, w)) if w else None for k, w in table.items()
     }
@@ -199,7 +216,7 @@ def main() -> bool:
                 table[name]()
             times[name].append(time.perf_counter() - start)
             cpus[name].append(_cpu_s() - cpu)
-            _check(name, out, SHIFT if name == SHIFTED else 0, whole, want)
+            _check(name, out, AT.get(name, 0), whole, want)
     out.unlink()
     cp = statistics.median(times["cp"])
     for name, ts in times.items():

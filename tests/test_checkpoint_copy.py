@@ -178,6 +178,37 @@ def test_a_kernel_copy_that_stops_short_is_finished_by_the_next_method(tmp_path,
     assert copier.used["copy_file_range"] == 1000 and copier.used["sendfile"] == len(data) - 1000
 
 
+@pytest.mark.parametrize("method", ["copy_file_range", "sendfile"])
+def test_a_kernel_copy_reaches_the_64k_grid_in_its_first_call(tmp_path, monkeypatch, method):
+    """The kernel writes a copy 64 KiB at a time, each write into folios no larger than
+    its offset's alignment allows: the first call ends on the output's next 64 KiB
+    boundary and every later call starts on one (``copy_methods``, "output 8 KiB in":
+    the same copy without that first short call takes 1.37x as long)."""
+    src, data = _source(tmp_path)
+    monkeypatch.setattr(copy_mod, "KERNEL_STEP", 4 * copy_mod.WRITE_ALIGN)  # several calls
+    real, starts = getattr(os, method), []
+    if method == "copy_file_range":
+
+        def spy(fd_in, fd_out, n, off_in, off_out):
+            starts.append(off_out)
+            return real(fd_in, fd_out, n, off_in, off_out)
+
+    else:
+        monkeypatch.setattr(os, "copy_file_range", _fail(errno.EXDEV))
+
+        def spy(fd_out, fd_in, off_in, n):
+            starts.append(os.lseek(fd_out, 0, os.SEEK_CUR))
+            return real(fd_out, fd_in, off_in, n)
+
+    monkeypatch.setattr(os, method, spy)
+    copier = Copier()
+    out = _copy(copier, FileRange(src, 100, len(data) - 100), tmp_path / "d", len(data) + 7)
+    assert out[7 : 7 + len(data) - 100] == data[100:] and set(copier.used) == {method}
+    grid = copy_mod.WRITE_ALIGN
+    assert starts[0] == 7 and starts[1] == grid  # 7 bytes in: up to the boundary first
+    assert len(starts) > 3 and all(at % grid == 0 for at in starts[1:])
+
+
 def test_other_errors_of_the_kernel_copy_are_clear_errors(tmp_path, monkeypatch):
     src, data = _source(tmp_path)
     monkeypatch.setattr(os, "copy_file_range", _fail(errno.EIO))

@@ -10,8 +10,9 @@ back as zeros and stay holes.
 
 A range's data has its output blocks allocated first (``fallocate``), then the
 kernel copies it (``copy_file_range``, else ``sendfile``, else buffered reads and
-writes); bytes that must be checksummed are read back from the source's page cache
-with ``preadv`` (not ``mmap``: a source truncated meanwhile would raise SIGBUS) and
+writes), its first call ending on the output's 64 KiB grid (``WRITE_ALIGN``);
+bytes that must be checksummed are read back from the source's page cache with
+``preadv`` (not ``mmap``: a source truncated meanwhile would raise SIGBUS) and
 CRC-32'd by a second thread while the kernel copies. With ``record`` the CRCs of
 the input's ranges are kept in a ``Ledger``, so the check after the copy need not
 read them again. Why this way and no other (one buffered pass, ``O_DIRECT``):
@@ -38,6 +39,10 @@ from .crc import crc32, crc32_combine, crc32_zeros
 
 COPY_BUFFER = 4 * 1024 * 1024  # the read-back buffer, and the buffered copy's
 KERNEL_STEP = 64 * 1024 * 1024  # bytes per copy_file_range/sendfile call: progress, Ctrl-C
+# the kernel's copy writes 64 KiB at a time, each into folios no larger than its
+# offset's alignment allows: a copy starts with a step up to the output's next
+# 64 KiB boundary, so every later write fills whole large folios
+WRITE_ALIGN = 64 * 1024
 OVERLAP_MIN = 8 * 1024 * 1024  # ranges this long are read back by a second thread
 RESERVE_MIN = 1024 * 1024  # data this long has its output blocks allocated first
 # errno values that mean "this method does not work for these files", not "the copy failed"
@@ -346,7 +351,7 @@ class Copier:
         some file systems do that instead of failing) or proved unsupported."""
         done = 0
         while done < n:
-            step = min(n - done, KERNEL_STEP)
+            step = min(n - done, KERNEL_STEP, -(at + done) % WRITE_ALIGN or KERNEL_STEP)
             try:
                 if method == "copy_file_range":
                     got = os.copy_file_range(fd, dst_fd, step, offset + done, at + done)
