@@ -351,7 +351,8 @@ class Copier:
         some file systems do that instead of failing) or proved unsupported."""
         done = 0
         while done < n:
-            step = min(n - done, KERNEL_STEP, -(at + done) % WRITE_ALIGN or KERNEL_STEP)
+            to_grid = -(at + done) % WRITE_ALIGN  # 0 once on the grid: full steps keep it
+            step = min(n - done, to_grid or KERNEL_STEP)
             try:
                 if method == "copy_file_range":
                     got = os.copy_file_range(fd, dst_fd, step, offset + done, at + done)
