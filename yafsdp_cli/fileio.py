@@ -16,6 +16,9 @@ from typing import Any
 from .errors import SourceError, YafsdpError
 
 CHUNK_BYTES = 16 * 1024 * 1024
+# JSON documents we read (config.json, index files, adapter and GPU profiles) are KBs
+# to a few MB; a bigger one is refused before it is parsed, as a safetensors header is
+MAX_JSON_BYTES = 100_000_000
 # errno values of a failed write that are the output's fault, not the input's:
 # ``checkpoint.writer.staged_output`` names the output
 OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -34,17 +37,57 @@ def require_file(path: Path, *, error: type[YafsdpError] = SourceError) -> int:
     return st.st_size
 
 
-def read_json(path: Path, *, error: type[YafsdpError] = SourceError) -> Any:
-    """The JSON document in ``path``; an unreadable or invalid file raises ``error``."""
+def read_capped(
+    path: Path, cap: int, *, error: type[YafsdpError] = SourceError, what: str = "the file"
+) -> bytes:
+    """All of ``path``, refused (``error``) once more than ``cap`` bytes were read.
+
+    The cap counts the bytes actually read, not what ``stat`` reports: a ``/proc``
+    file or a file that grows while read says 0 or less than it gives."""
     require_file(path, error=error)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            data = f.read(cap + 1)
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
+    if len(data) > cap:
+        raise error(f"{path}: {what} holds more than {cap} bytes, the most read here")
+    return data
+
+
+def read_json(
+    path: Path, *, error: type[YafsdpError] = SourceError, cap: int = MAX_JSON_BYTES
+) -> Any:
+    """The JSON document in ``path``, at most ``cap`` bytes (checked before parsing);
+    an unreadable, oversized or invalid file raises ``error``."""
+    raw = read_capped(path, cap, error=error, what="its JSON")
+    try:
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
     except RecursionError:
         raise error(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def outside_link(folder: Path, path: Path) -> bool:
+    """Whether reading ``path`` (a name in ``folder``) would go through a symbolic link
+    that leads out of ``folder``: a checkpoint folder is read as the files it holds,
+    never as whatever a link in it points at (``/proc/self/environ``, a home folder)."""
+    root = os.path.realpath(folder)
+    real = os.path.realpath(path)
+    return os.path.commonpath([root, real]) != root
+
+
+def require_inside(
+    folder: Path, path: Path, *, error: type[YafsdpError] = SourceError, where: str = ""
+) -> None:
+    """Refuse ``path`` when reading it would leave ``folder`` through a link."""
+    if outside_link(folder, path):
+        raise error(
+            f"{where or folder}: {path.name} is a symbolic link out of the folder "
+            f"(to {os.path.realpath(path)}); links out of a checkpoint folder are never "
+            "followed: copy the file into the folder"
+        )
 
 
 def write_error(exc: OSError, out: Path, error: type[YafsdpError]) -> YafsdpError:
