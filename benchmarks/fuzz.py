@@ -1,5 +1,6 @@
-"""Fuzzing the readers that face hostile files: safetensors headers, index files and
-flat checkpoints (their layout metadata included).
+"""Fuzzing the readers that face hostile files: safetensors headers, index files, flat
+checkpoints (their layout metadata included), DCP ``.metadata`` pickles and GPU
+profiles.
 
 Each target starts from a valid file, mutates it (bytes: flips, interesting values,
 cuts, repeats; JSON: a value replaced by a hostile one), and hands it to the reader.
@@ -204,7 +205,91 @@ class FlatTarget(Target):
         open_flat(path).verify()
 
 
-TARGETS: dict[str, type[Target]] = {t.name: t for t in (SafetensorsTarget, IndexTarget, FlatTarget)}
+class DcpTarget(Target):
+    """A DCP folder's ``.metadata``: a pickle, read by the allow-list unpickler, then
+    every chunk checked against the folder's ``.distcp`` files."""
+
+    name = "dcp"
+
+    def __init__(self, work: Path):
+        super().__init__(work)
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        self.folder = work / "ckpt"
+        state = {
+            "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "b": torch.ones(5, dtype=torch.bfloat16),
+            "step": 3,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(self.folder), no_dist=True)
+        self.seed = (self.folder / ".metadata").read_bytes()
+
+    def mutant(self, rng: random.Random) -> bytes:
+        return mutate_bytes(self.seed, rng)
+
+    def run(self, data: bytes) -> None:
+        from yafsdp_cli.sources.dcp_folder import open_dcp
+
+        (self.folder / ".metadata").write_bytes(data)
+        weights = open_dcp(self.folder)
+        for name in weights.reader.names():
+            weights.reader.load(name)
+
+
+class GpuProfileTarget(Target):
+    """A ``--gpu-profile`` file: a GPU's figures and measured efficiencies."""
+
+    name = "gpu-profile"
+
+    def __init__(self, work: Path):
+        super().__init__(work)
+        doc = {
+            "name": "fuzz-gpu",
+            "memory_bytes": 80 * 2**30,
+            "bf16_tflops": 989.0,
+            "fp32_tflops": 67.0,
+            "hbm_gbps": 3350.0,
+            "link_gbps": 450.0,
+            "gpus_per_node": 8,
+            "efficiency": {"matrix": 0.6, "memory": 0.8, "kernel_floor_us": 4.0},
+            "calibration": {"by": "fuzz"},
+        }
+        self.seed = _dumps(doc)
+
+    def mutant(self, rng: random.Random) -> bytes:
+        if rng.random() < 0.3:
+            return mutate_bytes(self.seed, rng)
+        doc = json.loads(self.seed)
+        for _ in range(rng.randint(1, 3)):
+            doc = mutate_json(doc, rng)
+        text = _dumps(doc)
+        if rng.random() < 0.2:  # the literals Python's json writes and reads
+            text = text.replace(b"989.0", rng.choice((b"NaN", b"Infinity", b"-Infinity", b"1e400")))
+        return text
+
+    def run(self, data: bytes) -> None:
+        import math
+
+        from yafsdp_cli.timing.gpu_profile import load_profile
+
+        path = self.work / "gpu.json"
+        path.write_bytes(data)
+        profile = load_profile(path)
+        gpu = profile.gpu
+        figures = (gpu.memory_bytes, gpu.bf16_flops, gpu.fp32_flops, gpu.hbm_bytes_per_s)
+        for value in (*figures, gpu.link_bytes_per_s, profile.efficiency.matrix):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"accepted a figure that is not finite and positive: {value}")
+
+
+TARGETS: dict[str, type[Target]] = {
+    t.name: t for t in (SafetensorsTarget, IndexTarget, FlatTarget, DcpTarget, GpuProfileTarget)
+}
 
 
 def fuzz(
