@@ -170,7 +170,7 @@ def _carried_files(folder: Path, skip: set[str], where: str) -> dict[str, bytes]
             _too_much(
                 where,
                 read,
-                f"give {total} bytes when read (their sizes said {sum(sizes.values())})",
+                f"give {total} bytes when read, though their sizes say {sum(sizes.values())}",
             )
     return files
 
