@@ -72,16 +72,27 @@ def read_json(
 def outside_link(folder: Path, path: Path) -> bool:
     """Whether reading ``path`` (a name in ``folder``) would go through a symbolic link
     that leads out of ``folder``: a checkpoint folder is read as the files it holds,
-    never as whatever a link in it points at (``/proc/self/environ``, a home folder)."""
+    never as whatever a link in it points at (``/proc/self/environ``, a home folder).
+
+    A link to a file elsewhere in the folder is inside it. So is a Hugging Face hub
+    cache's: ``models--org--name/snapshots/REV/`` holds links into the repo's own
+    ``blobs/``, which is how the hub stores every file it downloads."""
     root = os.path.realpath(folder)
     real = os.path.realpath(path)
-    return os.path.commonpath([root, real]) != root
+    if os.path.commonpath([root, real]) == root:
+        return False
+    snapshots = os.path.dirname(root)
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    return not (os.path.basename(snapshots) == "snapshots" and os.path.dirname(real) == blobs)
 
 
 def require_inside(
     folder: Path, path: Path, *, error: type[YafsdpError] = SourceError, where: str = ""
 ) -> None:
-    """Refuse ``path`` when reading it would leave ``folder`` through a link."""
+    """Refuse ``path`` when reading it would leave ``folder`` through a link. There is
+    no switch to follow one: a checkpoint folder is copied and shared as a unit, and
+    a link out of it reads a file its user never named; copying the file in is the
+    explicit way."""
     if outside_link(folder, path):
         raise error(
             f"{where or folder}: {path.name} is a symbolic link out of the folder "

@@ -17,12 +17,13 @@ from yafsdp_cli.cli import app
 
 from .common import Case, snapshot
 from .flat_cases import FLAT
+from .link_cases import LINKS
 from .output_cases import OUTPUTS, RO, source_for
 from .st_cases import HF, INDEXES, SAFETENSORS
 from .torch_cases import MARKER, TORCH
 
 runner = CliRunner()
-CORPUS: list[Case] = SAFETENSORS + INDEXES + HF + TORCH + FLAT + OUTPUTS
+CORPUS: list[Case] = SAFETENSORS + INDEXES + HF + TORCH + FLAT + OUTPUTS + LINKS
 
 
 def argv(command: str, src: Path, out: Path, folder: Path) -> list[str]:

@@ -20,7 +20,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
-from ..fileio import read_json
+from ..fileio import read_json, require_inside
 from ..sources.safetensors_file import StHeader, read_header
 from .copy import Copier, FileRange
 from .flat_writer import all_buffers, file_slots
@@ -177,6 +177,7 @@ def open_flat(path: str | Path) -> FlatCheckpoint:
     from the headers (see the module docstring)."""
     path = Path(path)
     if path.is_dir():
+        require_inside(path, path / INDEX_NAME, error=CheckpointError)
         if not (path / INDEX_NAME).is_file():
             raise CheckpointError(
                 f"{path}: a folder without {INDEX_NAME}; give a flat .safetensors file or "
@@ -348,6 +349,8 @@ def _open_rank(index_path: Path, layout: Layout, text: str, r: int, item, optim_
     if not isinstance(name, str) or item.get("rank") != r or Path(name).name != name:
         raise CheckpointError(f"{index_path}: entry {r} of 'ranks' is damaged: {item!r}")
     path = folder / name
+    # the set is its folder: a rank file linked in from elsewhere is not read
+    require_inside(folder, path, error=CheckpointError)
     if not path.is_file():
         raise CheckpointError(
             f"{folder}: rank {r}'s file {name} is missing; the set is incomplete "

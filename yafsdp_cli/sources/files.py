@@ -14,6 +14,7 @@ from pathlib import Path
 from ..engine.records import ModelSpec, TensorRecord
 from ..engine.units import detect_units_from_names, name_prefixes
 from ..errors import SourceError
+from ..fileio import require_inside
 from .loaded import NO_ARCH_NOTE, LoadedModel
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -37,9 +38,17 @@ def load_file(path: Path, trust_pickle: bool) -> LoadedModel:
 
 def weights_in_folder(path: Path) -> Path | None:
     """The usual weight files of a model folder: a DCP checkpoint's ``.metadata``
-    (written last, so it marks a complete checkpoint), then safetensors first."""
+    (written last, so it marks a complete checkpoint), then safetensors first. The
+    weights (or their index) must lie in the folder, not behind a link out of it."""
     if (path / ".metadata").is_file():
         return path / ".metadata"
+    found = _weights_file(path)
+    if found is not None:
+        require_inside(path, found)
+    return found
+
+
+def _weights_file(path: Path) -> Path | None:
     for pattern in (
         "*.safetensors.index.json",
         "*.safetensors",

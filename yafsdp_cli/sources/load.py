@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SourceError
-from ..fileio import require_file
+from ..fileio import require_file, require_inside
 from .files import load_file, weights_in_folder
 from .loaded import LoadedModel
 
@@ -37,8 +37,12 @@ def _load_path(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def _load_folder(path: Path, trust_pickle: bool) -> LoadedModel:
-    from .peft_folder import is_adapter_folder, load_adapter_folder
+    from .peft_folder import CONFIG, WEIGHTS, is_adapter_folder, load_adapter_folder
 
+    # the files read by name (here, by transformers and by peft): never through a link
+    # out of the folder; the weights found by pattern are checked where they are found
+    for name in (CONFIG, *WEIGHTS, "config.json"):
+        require_inside(path, path / name)
     if is_adapter_folder(path):
         return load_adapter_folder(path, lambda base: _load_path(base, trust_pickle))
     if (path / "config.json").is_file():

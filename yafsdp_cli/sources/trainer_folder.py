@@ -16,15 +16,26 @@ tensor's shape against its parameter's in ``optim_state.state_dtypes``.
 Every other file of the folder is carried as its bytes, never unpickled
 (``training_args.bin`` and ``rng_state.pth`` pickle arbitrary classes), so ``restore``
 writes it back byte for byte; they travel in the optimizer record, which every rank
-file repeats, so their total is bounded (``MAX_FILES_BYTES``).
+file repeats, so their total is bounded (``MAX_FILES_BYTES``, counted in bytes read:
+a ``/proc`` file says 0 bytes and gives more).
+
+Nothing is read through a symbolic link out of the folder (``fileio.require_inside``):
+the checkpoint carries its files to whoever restores it, and a link to
+``/proc/self/environ`` or a home folder would carry a file nobody chose to share. An
+``optimizer.pt`` that cannot be read (a FIFO, a folder, a dangling link) is an error,
+not a folder without optimizer state: converting its weights alone is
+``--weights-only``'s to ask.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
+from ..fileio import read_capped, require_inside
 from .loaded import LoadedModel
 from .safetensors_file import SafetensorsReader
 
@@ -44,14 +55,15 @@ class TrainerFolder:
 
 
 def trainer_folder_of(loaded: LoadedModel) -> Path | None:
-    """The Trainer folder ``loaded`` comes from (one holding ``optimizer.pt``): the
-    source folder, or the weights' folder when it was read as its weights alone
-    (without transformers), or None."""
+    """The Trainer folder ``loaded`` comes from (one holding ``optimizer.pt``, whatever
+    it is: ``read_trainer_folder`` refuses one it cannot read): the source folder, or
+    the weights' folder when it was read as its weights alone (without transformers),
+    or None."""
     path = loaded.path
     if path is None:
         return None
     folder = path if path.is_dir() else path.parent if "architecture_hint" in loaded.extra else None
-    return folder if folder is not None and (folder / OPTIMIZER_FILE).is_file() else None
+    return folder if folder is not None and os.path.lexists(folder / OPTIMIZER_FILE) else None
 
 
 def read_trainer_folder(loaded: LoadedModel) -> TrainerFolder:
@@ -60,14 +72,36 @@ def read_trainer_folder(loaded: LoadedModel) -> TrainerFolder:
 
     folder = trainer_folder_of(loaded)
     where = str(folder)
-    weights = _weight_files(loaded, where)
+    optimizer = _optimizer_file(folder, where)
+    weights = _weight_files(loaded, folder, where)
     files = _carried_files(folder, {*weights, OPTIMIZER_FILE}, where)
-    osd, _ = load_torch_file(folder / OPTIMIZER_FILE, trust_pickle=False)
+    osd, _ = load_torch_file(optimizer, trust_pickle=False)
     names = trainer_param_names(loaded.module, osd, f"{where}/{OPTIMIZER_FILE}")
     return TrainerFolder(osd, names, files, weights)
 
 
-def _weight_files(loaded: LoadedModel, where: str) -> dict[str, tuple[str, ...]]:
+def _optimizer_file(folder: Path, where: str) -> Path:
+    """``optimizer.pt``, a readable regular file in the folder; anything else (a FIFO,
+    which would block, a socket, a device, a folder, a dangling or looping link, a file
+    we may not open) is refused: its state would otherwise be dropped without a word."""
+    path = folder / OPTIMIZER_FILE
+    require_inside(folder, path, where=where)
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            with open(path, "rb"):  # a regular file opens without blocking
+                return path
+        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        why = f"not a regular file ({what})"
+    except OSError as exc:
+        why = f"cannot read ({exc.strerror})"
+    raise SourceError(
+        f"{path}: {why}; it holds the Trainer checkpoint's optimizer state; pass "
+        "--weights-only to skip it and convert the weights alone"
+    )
+
+
+def _weight_files(loaded: LoadedModel, folder: Path, where: str) -> dict[str, tuple[str, ...]]:
     """Each safetensors weights file's name and the tensor names it stores, every one
     a name of the architecture (so restore writes them under the same names)."""
     reader = loaded.reader
@@ -85,6 +119,7 @@ def _weight_files(loaded: LoadedModel, where: str) -> dict[str, tuple[str, ...]]
     known = loaded.spec.by_name()
     out = {}
     for h in reader.headers:
+        require_inside(folder, h.path, where=where)
         names = tuple(e.name for e in h.entries)
         stray = next((n for n in names if n not in known), None)
         if stray is not None:
@@ -98,24 +133,56 @@ def _weight_files(loaded: LoadedModel, where: str) -> dict[str, tuple[str, ...]]
 
 
 def _carried_files(folder: Path, skip: set[str], where: str) -> dict[str, bytes]:
-    """The folder's other files (name -> bytes), sizes checked before any is read."""
+    """The folder's other files (name -> bytes): each in the folder, a regular file,
+    and all of them together at most ``MAX_FILES_BYTES``, by their sizes before any is
+    read and by the bytes read (a ``/proc`` file's size says 0)."""
     paths = sorted(p for p in folder.iterdir() if p.name not in skip)
+    sizes = {}
     for p in paths:
-        if not p.is_file():
+        require_inside(folder, p, where=where)
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise SourceError(
+                f"{p}: cannot read ({exc.strerror}); move it out, or pass --weights-only"
+            ) from None
+        if stat.S_ISDIR(st.st_mode):
             raise SourceError(
                 f"{where}: {p.name} is not a file; a Trainer checkpoint's files are carried, "
                 "its subfolders are not; move it out, or pass --weights-only"
             )
-    sizes = {p.name: p.stat().st_size for p in paths}
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(
+                f"{where}: {p.name} is a FIFO, socket or device, not a file to carry; move it "
+                "out, or pass --weights-only"
+            )
+        sizes[p.name] = st.st_size
     if sum(sizes.values()) > MAX_FILES_BYTES:
-        big = max(sizes, key=sizes.__getitem__)
-        raise SourceError(
-            f"{where}: its files besides the weights and optimizer.pt hold "
-            f"{sum(sizes.values())} bytes ({big}: {sizes[big]}), more than the "
-            f"{MAX_FILES_BYTES} carried in the checkpoint's metadata; move {big} out of the "
-            "folder (and back beside the restored one), or pass --weights-only"
-        )
-    return {p.name: p.read_bytes() for p in paths}
+        _too_much(where, sizes, f"hold {sum(sizes.values())} bytes")
+    files, total = {}, 0
+    for p in paths:
+        # one file's read stops past the cap, so at most twice the cap is ever held
+        what = "a file the Trainer checkpoint carries (move it out, or pass --weights-only)"
+        files[p.name] = read_capped(p, MAX_FILES_BYTES, what=what)
+        total += len(files[p.name])
+        if total > MAX_FILES_BYTES:
+            read = {n: len(b) for n, b in files.items()}
+            _too_much(
+                where,
+                read,
+                f"give {total} bytes when read, though their sizes say {sum(sizes.values())}",
+            )
+    return files
+
+
+def _too_much(where: str, sizes: dict[str, int], hold: str) -> None:
+    big = max(sizes, key=sizes.__getitem__)
+    raise SourceError(
+        f"{where}: its files besides the weights and optimizer.pt {hold} ({big}: "
+        f"{sizes[big]}), more than the {MAX_FILES_BYTES} carried in the checkpoint's "
+        f"metadata; move {big} out of the folder (and back beside the restored one), or "
+        "pass --weights-only"
+    )
 
 
 def trainer_param_names(module, osd: object, where: str) -> dict[int, str]:
