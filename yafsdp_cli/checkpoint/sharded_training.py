@@ -125,10 +125,9 @@ def save_sharded_training(
         temp = Path(first[0][1])
         files = _together(sharded, lambda: _write_mine(sharded, opt, temp, meta, out))
         _together(sharded, lambda: _commit(sharded, staged, files, meta))
-    except BaseException:
+    finally:
         for s in staged:
-            s.remove_temp()
-        raise
+            s.close()
 
 
 def _prepare(sharded: ShardedFlat, opt, out: Path, staged: list[Staged]):
@@ -146,7 +145,7 @@ def _prepare(sharded: ShardedFlat, opt, out: Path, staged: list[Staged]):
     if sharded.comm.rank != 0:
         return meta, None
     staged.append(Staged(out, folder=True))
-    _safely(out, staged[0].temp.mkdir)
+    _safely(out, staged[0].open)  # the output's lock, and the temporary folder
     return meta, str(staged[0].temp)
 
 
