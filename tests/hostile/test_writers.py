@@ -162,6 +162,81 @@ def test_a_signal_anywhere_is_reported_as_what_happened(flat, tmp_path, command,
     assert seen >= {"before", "after"}, seen
 
 
+def yafsdp(args: list[str], *, wrapper: str | None = None, env=None, **kw):
+    code = wrapper or "from yafsdp_cli.cli import main; main()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        cwd=ROOT,
+        **kw,
+    )
+
+
+# The wrapped command stops right after renaming its output into place until the
+# test, having sent its signal, lets it go on.
+PAUSED_AFTER_RENAME = (
+    "import os, time\n"
+    "from yafsdp_cli.checkpoint import writer\n"
+    "real = writer.Staged.commit\n"
+    "def commit(self):\n"
+    "    real(self)\n"
+    "    open(os.environ['PAUSED_AT'], 'w').close()\n"
+    "    while not os.path.exists(os.environ['GO_ON']):\n"
+    "        time.sleep(0.01)\n"
+    "writer.Staged.commit = commit\n"
+    "from yafsdp_cli.cli import main\n"
+    "main()\n"
+)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = proc.communicate()
+            raise AssertionError(f"the writer did not reach its rename: {err}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("command", ["convert-sharded", "reshard"])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_just_after_the_rename_says_the_output_is_whole(
+    flat, tmp_path, command, sig, code
+):
+    """A real process, signalled the moment its output is in place (the issue's 20-30
+    ms before the end): exit 130/143, and a line saying the output was written in
+    full, which it is (the same as an undisturbed run's)."""
+    folder, reference = tmp_path / "out", tmp_path / "ref"
+    folder.mkdir()
+    reference.mkdir()
+    out = folder / out_name(command)
+    made = runner.invoke(app, commands(SRC, flat, reference / out.name)[command])
+    assert made.exit_code == 0, made.output
+    paused, go_on = tmp_path / "paused", tmp_path / "go-on"
+    proc = yafsdp(
+        commands(SRC, flat, out)[command],
+        wrapper=PAUSED_AFTER_RENAME,
+        env={"PAUSED_AT": str(paused), "GO_ON": str(go_on)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        wait_for(paused, proc)
+        proc.send_signal(sig)
+        go_on.touch()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    word = "interrupted" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert proc.returncode == code, err
+    assert err.strip().splitlines() == [f"error: {word} after {out} was written in full"]
+    assert contents(out) == contents(reference / out.name)
+    assert sorted(p.name for p in folder.iterdir()) == [out.name]
+
+
 def test_a_signal_held_while_renaming_is_acted_on_after():
     """``signals_held``: a SIGINT inside the block raises once the block is done."""
     done = []
@@ -190,28 +265,6 @@ PAUSED_MAIN = (
     "from yafsdp_cli.cli import main\n"
     "main()\n"
 )
-
-
-def yafsdp(args: list[str], *, wrapper: str | None = None, env=None, **kw):
-    code = wrapper or "from yafsdp_cli.cli import main; main()"
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        cwd=ROOT,
-        **kw,
-    )
-
-
-def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _, err = proc.communicate()
-            raise AssertionError(f"the first writer did not reach its rename: {err}")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("command", ["convert", "convert-sharded", "reshard", "restore-pt"])
