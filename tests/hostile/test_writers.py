@@ -267,7 +267,7 @@ PAUSED_MAIN = (
 )
 
 
-@pytest.mark.parametrize("command", ["convert", "convert-sharded", "reshard", "restore-pt"])
+@pytest.mark.parametrize("command", ["convert", "convert-sharded", "reshard", "restore"])
 def test_a_second_writer_of_one_output_is_refused_naming_the_first(flat, tmp_path, command):
     folder = tmp_path / "out"
     folder.mkdir()

@@ -16,11 +16,12 @@ waiting in a collective the others never reach.
   ``masters=True`` it is a ``MasterAdamW`` over float32 masters of the shards, and a
   checkpoint's ``B@master_param`` is sliced like the rest.
 - ``save_sharded_training(sharded, opt, out)``: a sharded set in folder ``out``.
-  Rank 0 checks ``out`` and makes a hidden temporary folder beside it; each rank
-  writes its own rank file there; rank 0 checks that the ranks agree (optimizer
-  record, kept tensors), writes the index from every rank's checksums and renames
-  the folder to ``out``. So ``out`` appears whole or not at all: a rank that dies
-  leaves only the hidden temporary. Every rank must see ``out``'s file system.
+  Rank 0 checks ``out``, takes its lock and makes a hidden temporary folder beside
+  it (``writer.Staged``); each rank writes its own rank file there; rank 0 checks
+  that the ranks agree (optimizer record, kept tensors), writes the index from
+  every rank's checksums and renames the folder to ``out``. So ``out`` appears
+  whole or not at all: a rank that dies leaves only the hidden temporary. Every
+  rank must see ``out``'s file system.
 
 Slicing the state is exact: AdamW is elementwise, so AdamW over a rank's shard
 equals that slice of AdamW over the whole buffer bit for bit (for-loop and foreach,
