@@ -22,6 +22,9 @@ MAX_JSON_BYTES = 100_000_000
 # errno values of a failed write that are the output's fault, not the input's:
 # ``checkpoint.writer.staged_output`` names the output
 OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# Outputs this process has put in place, in order (``checkpoint.writer.Staged``
+# records each as it renames it): an interrupted command says which it wrote in full
+WRITTEN: list[Path] = []
 
 
 def require_file(path: Path, *, error: type[YafsdpError] = SourceError) -> int:

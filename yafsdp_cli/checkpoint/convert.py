@@ -129,7 +129,7 @@ def write_converted(
     reads = _Reads(loaded, training, optim.state_buffers(layout) if optim else ())
     name = Path(loaded.spec.source).name if loaded.path else loaded.spec.source
     copier = Copier(record=True)  # a kept tensor copied to N ranks is read once
-    with staged_output(out, folder=sharded) as staged:
+    with staged_output(out, folder=sharded, force=force) as staged:
         info = write_flat(
             staged.temp,
             layout,

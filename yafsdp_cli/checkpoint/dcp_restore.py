@@ -44,19 +44,19 @@ def restore_dcp(
     check_dcp_name(out)
     check_dcp_output(out, inputs=list(ckpt.paths), force=force)
     state = {name: it for it in items for name in (it.slot.name, *it.aliases)}
-    nbytes, checked = write_checked(ckpt, out, state, progress)
+    nbytes, checked = write_checked(ckpt, out, state, progress, force=force)
     # nothing is dropped: tied names are each written
     return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="dcp", tensors=len(state))
 
 
 def write_checked(
-    ckpt: FlatCheckpoint, out: Path, state: dict, progress: Progress | None
+    ckpt: FlatCheckpoint, out: Path, state: dict, progress: Progress | None, *, force: bool
 ) -> tuple[int, int]:
     """``state`` written as a DCP folder staged beside ``out`` (``dcp_write``), then
     ``ckpt`` verified, reading only what the copy did not (padding, replicas); renamed
     into place when both succeed. Returns (bytes written, tensors checked)."""
     copier = Copier(record=True)
-    with staged_output(out, folder=True) as staged:
+    with staged_output(out, folder=True, force=force) as staged:
         write_dcp(staged.temp, state, copier, checkpoint_id=out, progress=progress)
         checked = ckpt.verify(progress, copier)
         nbytes = sum(p.stat().st_size for p in staged.temp.iterdir())

@@ -79,7 +79,7 @@ def reshard_checkpoint(
     check_output(out, inputs=list(ckpt.paths), force=force, folder=sharded)
     copier = Copier(record=True)
     old = {b.name: b for b in ckpt.all_buffers}
-    with staged_output(out, folder=sharded) as staged:
+    with staged_output(out, folder=sharded, force=force) as staged:
         info = write_flat(
             staged.temp,
             new,

@@ -27,7 +27,7 @@ from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat
 from .results import Progress, RestoreResult, restored
-from .writer import check_output, page_phase, staged_output, write_safetensors
+from .writer import check_output, page_phase, staged_output, torch_save, write_safetensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin")
 FORMATS = ("safetensors", "pt", "dcp", "trainer")
@@ -94,7 +94,7 @@ def restore_checkpoint(
     copier = Copier(record=True)
     items = state_dict_items(ckpt)
     tied = {a: it.slot.name for it in items for a in it.aliases}
-    with staged_output(out, folder=False) as staged:
+    with staged_output(out, folder=False, force=force) as staged:
         if fmt == "pt":
             checked = ckpt.verify(progress, copier)  # before anything is held in memory
             _write_pt(staged.temp, items, progress)
@@ -158,5 +158,4 @@ def _write_pt(path: Path, items, progress) -> None:
         done += len(data)
         if progress is not None:
             progress("writing", done, total)
-    with open(path, "xb") as f:
-        torch.save(state, f)
+    torch_save(state, path)

@@ -16,11 +16,12 @@ waiting in a collective the others never reach.
   ``masters=True`` it is a ``MasterAdamW`` over float32 masters of the shards, and a
   checkpoint's ``B@master_param`` is sliced like the rest.
 - ``save_sharded_training(sharded, opt, out)``: a sharded set in folder ``out``.
-  Rank 0 checks ``out`` and makes a hidden temporary folder beside it; each rank
-  writes its own rank file there; rank 0 checks that the ranks agree (optimizer
-  record, kept tensors), writes the index from every rank's checksums and renames
-  the folder to ``out``. So ``out`` appears whole or not at all: a rank that dies
-  leaves only the hidden temporary. Every rank must see ``out``'s file system.
+  Rank 0 checks ``out``, takes its lock and makes a hidden temporary folder beside
+  it (``writer.Staged``); each rank writes its own rank file there; rank 0 checks
+  that the ranks agree (optimizer record, kept tensors), writes the index from
+  every rank's checksums and renames the folder to ``out``. So ``out`` appears
+  whole or not at all: a rank that dies leaves only the hidden temporary. Every
+  rank must see ``out``'s file system.
 
 Slicing the state is exact: AdamW is elementwise, so AdamW over a rank's shard
 equals that slice of AdamW over the whole buffer bit for bit (for-loop and foreach,
@@ -125,10 +126,9 @@ def save_sharded_training(
         temp = Path(first[0][1])
         files = _together(sharded, lambda: _write_mine(sharded, opt, temp, meta, out))
         _together(sharded, lambda: _commit(sharded, staged, files, meta))
-    except BaseException:
+    finally:
         for s in staged:
-            s.remove_temp()
-        raise
+            s.close()
 
 
 def _prepare(sharded: ShardedFlat, opt, out: Path, staged: list[Staged]):
@@ -146,7 +146,7 @@ def _prepare(sharded: ShardedFlat, opt, out: Path, staged: list[Staged]):
     if sharded.comm.rank != 0:
         return meta, None
     staged.append(Staged(out, folder=True))
-    _safely(out, staged[0].temp.mkdir)
+    _safely(out, staged[0].open)  # the output's lock, and the temporary folder
     return meta, str(staged[0].temp)
 
 

@@ -123,13 +123,12 @@ def _write_dcp(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tupl
     check_dcp_output(out, inputs=list(ckpt.paths), force=force)
     values = dict(tensors)
     values.update(extras_of(ckpt.optim, raw=True))
-    return write_checked(ckpt, out, nest(values), progress)
+    return write_checked(ckpt, out, nest(values), progress, force=force)
 
 
 def _write_pt(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple[int, int]:
-    import torch
 
-    from .writer import check_output, staged_output
+    from .writer import check_output, staged_output, torch_save
 
     check_output(out, inputs=list(ckpt.paths), force=force, folder=False)
     checked = ckpt.verify(progress)
@@ -140,9 +139,8 @@ def _write_pt(ckpt, out: Path, tensors: dict, *, force: bool, progress) -> tuple
             read[id(it)] = read_tensor(it)
         values[path] = read[id(it)]
     values.update(extras_of(ckpt.optim))
-    with staged_output(out, folder=False) as staged:
-        with open(staged.temp, "xb") as f:
-            torch.save(nest(values), f)
+    with staged_output(out, folder=False, force=force) as staged:
+        torch_save(nest(values), staged.temp)
         nbytes = staged.temp.stat().st_size
     return nbytes, checked
 

@@ -23,7 +23,7 @@ from .optim_state import file_bytes
 from .reader import FlatCheckpoint, StateDictItem
 from .results import Progress, RestoreResult, restored
 from .train_restore import extras_of, nest, training_items
-from .writer import existing_folder_output, staged_output, write_safetensors
+from .writer import existing_folder_output, staged_output, torch_save, write_safetensors
 
 OPTIMIZER_FILE = "optimizer.pt"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -38,7 +38,7 @@ def restore_trainer(
     check_trainer_output(out, inputs=list(ckpt.paths), force=force, names=names)
     files = file_bytes(optim, str(ckpt.root))  # every check before anything is written
     copier = Copier(record=True)
-    with staged_output(out, folder=True) as staged:
+    with staged_output(out, folder=True, force=force) as staged:
         for name, stored in optim.weights.items():
             _write_weights(ckpt, staged.temp / name, _stored_items(items, stored), progress, copier)
         checked = ckpt.verify(progress, copier)  # reads only what was not copied
@@ -96,7 +96,6 @@ def _write_weights(ckpt: FlatCheckpoint, path: Path, items, progress, copier: Co
 
 def _write_optimizer(ckpt: FlatCheckpoint, items: list, path: Path) -> None:
     """``optimizer.pt``: the state dict rebuilt from the state buffers and the record."""
-    import torch
 
     from .train_restore import read_tensor
 
@@ -111,7 +110,7 @@ def _write_optimizer(ckpt: FlatCheckpoint, items: list, path: Path) -> None:
     # torch's order: parameters by number, ``step`` before the state tensors; with the
     # same name (the archive's) torch.save then writes the Trainer's bytes again
     osd = {"state": {pid: _step_first(state[pid]) for pid in sorted(state)}, **osd}
-    torch.save(_shared_keys(osd), path)
+    torch_save(_shared_keys(osd), path, by_name=True)
 
 
 def _step_first(fields: dict) -> dict:

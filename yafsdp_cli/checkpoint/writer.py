@@ -17,23 +17,41 @@ the kernel copies whole pages, about 1.5x faster than shifted ones
 
 ``staged_output`` makes a command's output appear whole or not at all: data goes
 to a hidden temporary file (or folder) beside the target, renamed over it at the
-end; on any error, Ctrl-C included, the temporary is removed.
+end; on any error, Ctrl-C included, the temporary is removed. Around it:
+
+- one writer per output: an exclusive ``flock`` on ``.NAME.yafsdp-lock`` beside the
+  target, held from before the temporary is made until after it is gone, so a
+  second writer of the same output fails at once naming the first (whose PID the
+  file holds). The kernel drops the lock of a process that dies, killed or not, so
+  a lock file left behind never blocks anyone;
+- what a killed run left (``.NAME.yafsdp-tmp-PID-RAND``, ``.NAME.yafsdp-old-PID-RAND``)
+  is removed, and named on stderr, by the next writer of NAME, under the lock and
+  only when that PID is gone;
+- SIGINT and SIGTERM are held while the temporary is renamed into place and the
+  output recorded as written (``fileio.WRITTEN``), and while the temporary and the
+  lock are removed: a signal is acted on before the rename (nothing written) or
+  after the record (the output complete, and reported so), never in between.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import signal
 import struct
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from ..fileio import write_error
+from ..fileio import WRITTEN, write_error
 from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
 
@@ -303,14 +321,203 @@ def _token() -> str:
     return os.urandom(4).hex()
 
 
-class Staged:
-    """A temporary output beside its target; ``keep = False`` discards it."""
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, out: Path, folder: bool):
+
+class _Held:
+    """A SIGINT/SIGTERM handler that keeps the first signal while ``holding`` and
+    passes every signal to the handler it stands in for once not."""
+
+    def __init__(self, handlers: dict):
+        self.handlers = handlers
+        self.holding = True
+        self.pending: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.holding:
+            if self.pending is None:
+                self.pending = signum
+            return
+        self.handlers[signum](signum, frame)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Run the block whole: a SIGINT or SIGTERM that arrives meanwhile is acted on
+    (its Python handler called: KeyboardInterrupt) when the block ends.
+
+    Python runs signal handlers in the main thread between bytecodes, whichever
+    thread the kernel chose, so swapping the handlers is what holds them (a signal
+    mask would not: torch's threads would take the signal). ``holding`` is switched
+    off in one step before the handlers are put back, so a signal that lands while
+    they are put back is not lost. Handlers that are not Python functions (the
+    default action, ignored) are left as they are: a signal they handle runs no
+    Python code to interrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers run in the main thread only: nothing to hold here
+        return
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    handlers = {s: h for s, h in handlers.items() if callable(h)}
+    held = _Held(handlers)
+    try:
+        for s in handlers:
+            signal.signal(s, held)
+        yield
+    finally:
+        held.holding = False
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if held.pending is not None:
+            handlers[held.pending](held.pending, None)
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.yafsdp-lock"
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``.NAME.yafsdp-lock`` beside output ``out``: one
+    writer per output. The file holds the holder's PID, for a second writer's
+    message; the holder removes it (while still holding the lock) when done."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = lock_path(out)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            # never through a link: the file is truncated and written
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                who = f"process {holder}" if holder else "another process"
+                raise CheckpointError(
+                    f"output {self.out} is being written by {who} (yafsdp; lock "
+                    f"{self.path.name}); wait for it to end, or choose another -o"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # the holder before us removes the file before it unlocks: a lock taken
+            # on a file no longer at ``path`` locks nobody out, so take it again
+            try:
+                here = os.stat(self.path)
+            except FileNotFoundError:
+                here = None
+            mine = os.fstat(fd)
+            if here is not None and (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+            os.close(fd)
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _holder(fd: int) -> int | None:
+    """The PID a lock file names, if it names one yet."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    except PermissionError:
+        return True  # another user's: it runs
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+_LEFTOVER = re.compile(r"(tmp|old)-(?:(\d+)-)?[0-9a-f]{8}")
+
+
+def clear_leftovers(out: Path) -> None:
+    """Remove what an ended run left beside ``out`` (its hidden temporary, or the
+    old output it had moved aside), naming it on stderr; called with ``out``'s lock
+    held, so no writer of ``out`` is at work. A leftover whose process still runs is
+    named and kept (a writer that takes no lock). An old output moved aside by a run
+    killed between its two renames is put back when nothing took its place."""
+    prefix = f".{out.name}.yafsdp-"
+    removed: list[str] = []
+    try:
+        names = sorted(n for n in os.listdir(out.parent) if n.startswith(prefix))
+    except OSError:
+        return  # the write itself reports an unusable folder
+    for name in names:
+        found = _LEFTOVER.fullmatch(name[len(prefix) :])
+        if found is None:
+            continue  # the lock file, or not ours
+        path = out.parent / name
+        if found[2] is not None and _alive(int(found[2])):
+            _warn(f"kept {name} beside {out}: its process {found[2]} still runs")
+            continue
+        if found[1] == "old" and not os.path.lexists(out):
+            with contextlib.suppress(OSError):
+                os.rename(path, out)
+                _warn(f"put back {out} from {name}, where a killed run had moved it aside")
+                continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        removed.append(name)
+    if removed:
+        shown = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if removed[3:] else "")
+        _warn(f"removed {shown}, left beside {out} by a run that ended without cleaning up")
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"warning: {text}\n")
+    sys.stderr.flush()
+
+
+class Staged:
+    """A temporary output beside its target; ``keep = False`` discards it.
+
+    ``open()`` takes the output's lock, clears what ended runs left, refuses an
+    output that appeared meanwhile (unless ``force``) and, for a folder, makes the
+    temporary; ``commit()`` renames it into place; ``close()`` removes what is left
+    of the temporary and lets go of the lock."""
+
+    def __init__(self, out: Path, folder: bool, *, force: bool = False):
         self.out = out
         self.folder = folder
+        self.force = force
         self.temp = out.parent / f".{out.name}.yafsdp-tmp-{os.getpid()}-{_token()}"
         self.keep = True
+        self.lock = OutputLock(out)
+
+    def open(self) -> None:
+        with signals_held():  # a lock taken is a lock let go: see ``close``
+            self.lock.acquire()
+        clear_leftovers(self.out)
+        if not self.force and os.path.lexists(self.out):
+            # another writer put it there since ``check_output`` looked
+            raise CheckpointError(f"output {self.out} exists; pass --force to overwrite it")
+        if self.folder:
+            self.temp.mkdir()
 
     def remove_temp(self) -> None:
         if self.folder:
@@ -319,11 +526,24 @@ class Staged:
             with contextlib.suppress(FileNotFoundError):
                 self.temp.unlink()
 
+    def close(self) -> None:
+        with signals_held():  # removed whole: a signal now would leave a part
+            if os.path.lexists(self.temp):
+                self.remove_temp()
+            self.lock.release()
+
     def commit(self) -> None:
+        """Rename the temporary into place and record the output as written, with
+        signals held: either both happen or neither does."""
+        with signals_held():
+            self._rename()
+            WRITTEN.append(self.out)
+
+    def _rename(self) -> None:
         if not self.folder or not self.out.exists():
             os.replace(self.temp, self.out)  # atomic for a file; a new folder's name
             return
-        old = self.out.parent / f".{self.out.name}.yafsdp-old-{_token()}"
+        old = self.out.parent / f".{self.out.name}.yafsdp-old-{os.getpid()}-{_token()}"
         os.rename(self.out, old)
         try:
             os.rename(self.temp, self.out)
@@ -334,21 +554,96 @@ class Staged:
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, *, folder: bool) -> Iterator[Staged]:
+def staged_output(out: Path, *, folder: bool, force: bool = False) -> Iterator[Staged]:
     """Yield a ``Staged`` whose ``temp`` the caller fills; renamed over ``out`` on
-    success, removed on any exception (Ctrl-C included) or when ``keep`` is False."""
-    staged = Staged(out, folder)
+    success, removed on any exception (Ctrl-C included) or when ``keep`` is False.
+    ``force``: ``out`` may exist (``check_output`` has vetted it); without it an
+    output that another writer made since is refused rather than replaced."""
+    staged = Staged(out, folder, force=force)
     try:
-        if folder:
-            staged.temp.mkdir()
+        staged.open()
         yield staged
-        if staged.keep:
-            staged.commit()
+        # put in place and cleaned up as one: a signal from here on is acted on
+        # once the lock is let go (before, it leaves the work to ``finally``)
+        with signals_held():
+            if staged.keep:
+                staged.commit()
+            staged.close()
     except OSError as exc:  # disk full, read-only folder: one line naming the output
         raise write_error(exc, out, CheckpointError) from None
     finally:
-        if staged.temp.exists():
-            staged.remove_temp()
+        staged.close()  # after an error or a signal (else nothing is left to do)
+
+
+class _Recorded:
+    """A file object for ``torch.save`` that keeps the first ``OSError`` of a write:
+    torch turns it into its own RuntimeError ("unexpected pos")."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+
+def torch_save(obj, path: Path, *, by_name: bool = False) -> None:
+    """``torch.save(obj)`` as the new file ``path``. A failed write (a full disk)
+    raises an ``OSError``, which ``staged_output`` names, rather than torch's
+    "[enforce fail at inline_container.cc] unexpected pos".
+
+    ``by_name``: torch opens the file itself, so the archive inside is named after
+    it (``optimizer/data.pkl``, as the Hugging Face Trainer saves it; from a file
+    object it is ``archive/``). torch's own writes keep no ``errno``, so a failure
+    is taken for a full disk when the file system has (next to) no space left."""
+    import torch
+
+    # torch's error is dropped before ours is raised (not kept as its context):
+    # its traceback holds torch's writer, and with it the file, open
+    failed = False
+    if by_name:
+        try:
+            torch.save(obj, str(path))
+        except RuntimeError:
+            failed = True
+        if failed and _full(path.parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if failed:
+            raise OSError(errno.EIO, "torch.save could not write it", str(path))
+        return
+    with open(path, "xb") as f:
+        sink = _Recorded(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            failed = True
+    if failed:
+        raise OSError(sink.error.errno, sink.error.strerror, str(path))
+
+
+FULL_BELOW = 1 << 20  # free bytes under which a failed write is taken for a full disk
+
+
+def _full(folder: Path) -> bool:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use the reserve
+    return free * st.f_frsize < FULL_BELOW
 
 
 def write_safetensors(

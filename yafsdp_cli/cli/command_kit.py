@@ -82,7 +82,12 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 @contextlib.contextmanager
 def errors_to_exit() -> Iterator[None]:
     """Map project errors to exit 2 with one line on stderr; never a traceback
-    unless ``--debug`` (or ``YAFSDP_DEBUG=1``) asks for one."""
+    unless ``--debug`` (or ``YAFSDP_DEBUG=1``) asks for one.
+
+    A signal says what it interrupted: before an output was put in place, nothing
+    was written; after, the output is complete (the writer records it as it renames
+    it, with signals held, so the two cannot disagree)."""
+    before = len(_written())
     try:
         yield
     except (typer.Exit, typer.Abort):
@@ -92,9 +97,9 @@ def errors_to_exit() -> Iterator[None]:
             traceback.print_exc(file=sys.stderr)
         raise fail(_escape(str(exc))) from None
     except Terminated:
-        raise fail("terminated (SIGTERM); no output was written", Terminated.code) from None
+        raise fail(f"terminated (SIGTERM){_outcome(before)}", Terminated.code) from None
     except KeyboardInterrupt:
-        raise fail("interrupted; no output was written", 130) from None
+        raise fail(f"interrupted{_outcome(before)}", 130) from None
     except OSError as exc:  # an input or output no check caught: still one line
         if State.debug:
             traceback.print_exc(file=sys.stderr)
@@ -105,6 +110,20 @@ def errors_to_exit() -> Iterator[None]:
             traceback.print_exc(file=sys.stderr)
         hint = "" if State.debug else " (rerun with --debug for the traceback)"
         raise fail(_escape(f"internal error: {type(exc).__name__}: {exc}{hint}")) from None
+
+
+def _written() -> list:
+    """``fileio.WRITTEN``: the outputs this process put in place. A command that
+    never imported ``fileio`` wrote none, and need not import it to say so."""
+    fileio = sys.modules.get("yafsdp_cli.fileio")
+    return fileio.WRITTEN if fileio is not None else []
+
+
+def _outcome(before: int) -> str:
+    written = _written()[before:]
+    if not written:
+        return "; no output was written"
+    return f" after {_escape(', '.join(map(str, written)))} was written in full"
 
 
 INTERRUPTED = "error: interrupted; no output was written\n"
