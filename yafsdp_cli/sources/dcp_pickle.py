@@ -84,8 +84,16 @@ class MetadataIndex(_Record):
     index = None
 
     def _key(self):
-        offset = getattr(self, "offset", None)
-        return (getattr(self, "fqn", None), None if offset is None else tuple(offset))
+        """``(fqn, offsets)``; a key of any other make is equal to itself only, so that
+        hashing it while the pickle loads never walks what it holds (a tuple of tuples
+        that share their parts costs exponential time to hash, and ``_storage_index``
+        refuses such a key afterwards)."""
+        fqn, offset = getattr(self, "fqn", None), getattr(self, "offset", None)
+        if offset is not None:
+            if not isinstance(offset, (tuple, list)) or not all(type(o) is int for o in offset):
+                return (id(self),)
+            offset = tuple(offset)
+        return (fqn, offset) if type(fqn) is str else (id(self),)
 
     def __hash__(self) -> int:
         return hash(self._key())
