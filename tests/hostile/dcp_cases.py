@@ -143,6 +143,55 @@ def _many_chunks(n: int):
     return lambda folder: write_folder(folder, metadata({"model.w": ([1, n], chunks)}, length=8))
 
 
+# ------------------------------------------------------------------ saved by torch
+
+
+def _saved(state_of):
+    """A folder ``dcp.save`` writes (one process, no process group) of the tiny
+    model ``nn.Linear(4, 2)`` and whatever ``state_of(model)`` adds beside it."""
+
+    def build(folder: Path) -> Path:
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        state = {"model": model.state_dict(), **state_of(model)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(folder / "ck"), no_dist=True)
+        return folder / "ck"
+
+    return build
+
+
+def _positional(model) -> dict:
+    """``optimizer.state_dict()`` as it is, state keyed 0, 1, ...: one AdamW step."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    return {"optimizer": opt.state_dict()}
+
+
+def _shared_value(model) -> dict:
+    """A pickled entry beside the weights: one list referenced 2^20 times."""
+    inner: list = [0]
+    for _ in range(20):
+        inner = [inner, inner]
+    return {"train_state": {"history": inner}}
+
+
+def _deep_value(model) -> dict:
+    inner: list = []
+    for _ in range(200):
+        inner = [inner]
+    return {"train_state": {"history": inner}}
+
+
 ESC = "\x1b[2J\x1b]0;pwned\x07"
 
 DCP = [
@@ -159,3 +208,26 @@ DCP = [
 ]
 for _c in DCP:
     _c.commands = SOURCE_COMMANDS
+
+TRAINING = [
+    Case(
+        "dcp-optimizer-state-by-position",
+        _saved(_positional),
+        r"numbers its parameters by position \(0\.\.1\), as optimizer\.state_dict\(\) does;.*"
+        r"--model .*get_optimizer_state_dict",
+        commands=("convert",),
+    ),
+    Case(
+        "dcp-value-of-shared-sub-lists",
+        _saved(_shared_value),
+        r"reading 'train_state\.history' failed \(.*far more items than its size warrants",
+        commands=("convert",),
+    ),
+    Case(
+        "dcp-value-nested-200-deep",
+        _saved(_deep_value),
+        r"reading 'train_state\.history' failed \(.*nests more than 100 deep",
+        commands=("convert",),
+    ),
+]
+DCP += TRAINING

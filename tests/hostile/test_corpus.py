@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from yafsdp_cli.cli import app
 
 from .common import Case, snapshot
+from .dcp_cases import DCP
 from .flat_cases import FLAT
 from .output_cases import OUTPUTS, RO, source_for
 from .st_cases import HF, INDEXES, SAFETENSORS
@@ -23,6 +24,7 @@ from .torch_cases import MARKER, TORCH
 
 runner = CliRunner()
 CORPUS: list[Case] = SAFETENSORS + INDEXES + HF + TORCH + FLAT + OUTPUTS
+CORPUS += DCP
 
 
 def argv(command: str, src: Path, out: Path, folder: Path) -> list[str]:
