@@ -251,3 +251,20 @@ def test_optimizer_state_by_position_over_some_parameters_is_refused(tmp_path, m
     done = _run("convert", ck, "--model", "linear_factory:make", "-o", tmp_path / "f.safetensors")
     assert done.exit_code == 2
     assert "the optimizer holds 1 parameters, but --model has 2" in " ".join(done.stderr.split())
+
+
+def test_every_error_line_is_one_line_without_control_characters(tmp_path, monkeypatch):
+    """Whatever a message quotes from a file, the line printed escapes it."""
+    import yafsdp_cli.sources as sources
+
+    def lying(*args, **kwargs):
+        raise SourceError("x.bin: member a\x1b[2J\nb is damaged")
+
+    monkeypatch.setattr(sources, "load_source", lying)
+    src = tmp_path / "x.safetensors"
+    src.write_bytes(b"")
+    result = runner.invoke(app, ["inspect", str(src)])
+    assert result.exit_code == 2
+    line = result.stderr
+    assert line.startswith("error: x.bin: member a\\x1b[2J") and line.count("\n") == 1, line
+    assert "\x1b" not in line
