@@ -42,6 +42,12 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def cut(text: str, limit: int = 200) -> str:
+    """``text`` from a file for a message, unquoted: at most ``limit`` characters of
+    it, control characters escaped (``printable``)."""
+    return printable(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def excerpt(value: object, limit: int = 80) -> str:
     """At most ``limit`` characters of ``value``'s ``repr``, for a message about a
     value read from a file. Built piece by piece and stopped at the limit, so a

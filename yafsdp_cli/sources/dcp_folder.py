@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..engine import dtypes
-from ..errors import SourceError, excerpt, printable
+from ..errors import SourceError, cut
 from ..fileio import CHUNK_BYTES, read_chunks
 from .dcp_data import ChunkBytes, tensor_pieces
 from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
@@ -71,7 +71,7 @@ def open_dcp(folder: Path) -> DcpWeights:
 
 def _some(names, shown: int = 8) -> str:
     """Names from the file for a message: the first few, each bounded and escaped."""
-    out = ", ".join(excerpt(n, 80)[1:-1] if len(n) > 80 else printable(n) for n in names[:shown])
+    out = ", ".join(cut(n, 80) for n in names[:shown])
     return out + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 

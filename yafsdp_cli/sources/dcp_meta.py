@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import dtypes
-from ..errors import SourceError, YafsdpError, excerpt, printable
+from ..errors import SourceError, YafsdpError, cut, excerpt, printable
 from ..fileio import read_capped, require_file, require_inside
 from .dcp_pickle import MetadataUnpickler, StorageMeta, is_a
 
@@ -153,7 +153,7 @@ def _unpickle(path: Path, *, real_torch: bool = False):
     except Exception as exc:  # truncated or garbled pickle: any error its opcodes raise
         raise SourceError(
             f"{path}: not a readable torch.distributed.checkpoint metadata file "
-            f"({type(exc).__name__}: {excerpt(_first_line(exc), NAME_CHARS)[1:-1]})"
+            f"({type(exc).__name__}: {cut(_first_line(exc))})"
         ) from None
 
 

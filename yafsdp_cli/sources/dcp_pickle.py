@@ -24,7 +24,7 @@ import pathlib
 import pickle
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import SourceError, cut
 from .torch_pickle import TORCH_DTYPES, Dtype, TorchNamePickler
 
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -213,7 +213,8 @@ class MetadataUnpickler(pickle.Unpickler):
         known = (module, name) in _STAND_INS or (module == "torch" and name in TORCH_DTYPES)
         if not known:
             raise SourceError(
-                f"{self.where}: the metadata pickle names {module}.{name}, which a "
+                f"{self.where}: the metadata pickle names {cut(f'{module}.{name}')}, "
+                "which a "
                 "torch.distributed.checkpoint metadata file never holds; loading it could run "
                 "code from the file, so it is refused"
             )
