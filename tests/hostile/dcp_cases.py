@@ -192,6 +192,13 @@ def _deep_value(model) -> dict:
     return {"train_state": {"history": inner}}
 
 
+def _overlap_among_many(n: int):
+    """``n`` one-column chunks of ``[1, n]`` with column 0 twice and column n - 1
+    left out: sizes that add up, one overlap that a pairwise check finds last."""
+    chunks = [([0, i], [1, 1]) for i in reversed(range(n - 1))] + [([0, 0], [1, 1])]
+    return lambda folder: write_folder(folder, metadata({"model.w": ([1, n], chunks)}, length=8))
+
+
 ESC = "\x1b[2J\x1b]0;pwned\x07"
 
 DCP = [
@@ -205,9 +212,19 @@ DCP = [
     ),
     Case("dcp-shape-over-2^63-bytes", _huge([2**40, 2**40]), "more than 2\\^63 bytes"),
     Case("dcp-shared-sub-lists", _shared_lists, "bad shape"),
+    Case(
+        "dcp-shape-nested-100000-deep",
+        _deep_shape,
+        r"tensor 'model.w' has a bad shape \[\[\[.*\]: its dimensions are not all whole numbers",
+    ),
+    Case(
+        "dcp-overlap-among-3000-chunks",
+        _overlap_among_many(3000),
+        r"has overlapping chunks at offsets \[0, 0\] and \[0, 0\]",
+    ),
 ]
 for _c in DCP:
-    _c.commands = SOURCE_COMMANDS
+    _c.commands = (*SOURCE_COMMANDS, "plan")
 
 TRAINING = [
     Case(

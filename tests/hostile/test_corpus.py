@@ -36,6 +36,7 @@ def argv(command: str, src: Path, out: Path, folder: Path) -> list[str]:
         "check": ["check", src, "--baseline", folder / "baseline.json", "--update"],
         "restore": ["restore", src, "-o", out],
         "reshard": ["reshard", src, "-n", "4", "-o", out],
+        "plan": ["plan", src, "--gpu-memory", "80GiB"],
     }[command]
 
 

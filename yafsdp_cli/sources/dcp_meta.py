@@ -329,14 +329,15 @@ def _sums_to_zero(items, budget: list[int]) -> bool:
     return all(_sums_to_zero(group, budget) for group in groups.values())
 
 
-def _overlapping_pair(boxes, comparisons: int = 1_000_000):
-    """The offsets of two boxes that share an element, found by a sweep along dim 0
-    (FSDP shards dim 0, so few boxes are in play at once), or None when the sweep
-    would take more than ``comparisons`` comparisons."""
-    spans = sorted(boxes, key=lambda c: c[0][0])
+def _overlapping_pair(boxes, comparisons: int = 200_000):
+    """The offsets of two boxes that share an element, or None when none is found
+    within ``comparisons`` comparisons: a sweep along the dimension with the most
+    distinct offsets (the one the shards split most finely, so few boxes are in play
+    at once)."""
+    d = max(range(len(boxes[0][0])), key=lambda i: len({off[i] for off, _ in boxes}))
     active: list = []
-    for off, size in spans:
-        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+    for off, size in sorted(boxes, key=lambda c: c[0][d]):
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
         comparisons -= len(active)
         if comparisons < 0:
             return None
