@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import SourceError, YafsdpError
+from .errors import SourceError, YafsdpError, printable
 
 CHUNK_BYTES = 16 * 1024 * 1024
 # JSON documents we read (config.json, index files, adapter and GPU profiles) are KBs
@@ -98,8 +98,8 @@ def require_inside(
     explicit way."""
     if outside_link(folder, path):
         raise error(
-            f"{where or folder}: {path.name} is a symbolic link out of the folder "
-            f"(to {os.path.realpath(path)}); links out of a checkpoint folder are never "
+            f"{where or folder}: {printable(path.name)} is a symbolic link out of the folder "
+            f"(to {printable(os.path.realpath(path))}); links out of a checkpoint folder are never "
             "followed: copy the file into the folder"
         )
 

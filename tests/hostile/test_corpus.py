@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from yafsdp_cli.cli import app
 
 from .common import Case, snapshot
+from .dcp_cases import DCP
 from .flat_cases import FLAT
 from .link_cases import LINKS
 from .output_cases import OUTPUTS, RO, source_for
@@ -23,7 +24,7 @@ from .st_cases import HF, INDEXES, SAFETENSORS
 from .torch_cases import MARKER, TORCH
 
 runner = CliRunner()
-CORPUS: list[Case] = SAFETENSORS + INDEXES + HF + TORCH + FLAT + OUTPUTS + LINKS
+CORPUS: list[Case] = SAFETENSORS + INDEXES + HF + TORCH + FLAT + OUTPUTS + LINKS + DCP
 
 
 def argv(command: str, src: Path, out: Path, folder: Path) -> list[str]:
@@ -35,6 +36,7 @@ def argv(command: str, src: Path, out: Path, folder: Path) -> list[str]:
         "check": ["check", src, "--baseline", folder / "baseline.json", "--update"],
         "restore": ["restore", src, "-o", out],
         "reshard": ["reshard", src, "-n", "4", "-o", out],
+        "plan": ["plan", src, "--gpu-memory", "80GiB"],
     }[command]
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ..errors import YafsdpError
+from ..errors import YafsdpError, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -74,8 +74,10 @@ def on_sigterm(signum, frame) -> None:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    """Print one line on stderr and return the Exit to raise."""
-    stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    """Print one line on stderr and return the Exit to raise. Control characters
+    (a newline, an escape sequence from a name in a file) are escaped, so the line
+    is one line and the terminal acts on none of it."""
+    stderr.print(f"[bold red]error:[/] {printable(message)}", markup=True, highlight=False)
     return typer.Exit(code)
 
 

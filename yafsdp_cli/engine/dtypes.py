@@ -69,6 +69,36 @@ def is_floating(name: str) -> bool:
     return dtype_info(name).floating
 
 
+# The size rule of every reader: a file's offsets are 64-bit, so a tensor past this
+# is a lie; no checkpoint format needs more dimensions than numpy allows.
+MAX_TENSOR_BYTES = 2**63 - 1
+MAX_DIMS = 64
+
+
+def shape_problem(shape, dtype: str) -> str | None:
+    """Why ``shape`` (read from a file) is no shape of a ``dtype`` tensor, or None.
+
+    Every reader checks a shape with this before it computes or prints anything
+    from it, so ``inspect`` refuses what ``convert`` refuses: the dimensions are plain
+    non-negative ints (not bools, not nested lists), at most ``MAX_DIMS`` of them, and
+    the tensor's bytes fit ``MAX_TENSOR_BYTES``. The product is taken with an early
+    stop, so a shape of huge numbers costs no big-number arithmetic."""
+    if not isinstance(shape, (list, tuple)) or not all(type(d) is int for d in shape):
+        return "its dimensions are not all whole numbers"
+    if len(shape) > MAX_DIMS:
+        return f"{len(shape)} dimensions, more than {MAX_DIMS}"
+    if any(d < 0 for d in shape):
+        return "a negative dimension"
+    if 0 in shape:
+        return None
+    total = itemsize(dtype)
+    for d in shape:
+        total *= d
+        if total > MAX_TENSOR_BYTES:
+            return f"{dtype} of that shape is more than 2^63 bytes"
+    return None
+
+
 def from_safetensors(code: str) -> str:
     info = _BY_SAFETENSORS.get(code)
     if info is None:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # Rich is imported when a table is made: --json never needs i
     from rich.table import Table
     from rich.text import Text
 
+from ..errors import printable
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -35,7 +37,7 @@ class AnswerText:
     does not break at a no-break space)."""
 
     def __init__(self, lines: Sequence[str]):
-        self.lines = [line for line in lines if line]
+        self.lines = [printable(line) for line in lines if line]
 
     def __rich_console__(self, console, options):
         import textwrap
@@ -57,7 +59,7 @@ def answer_text(lines: Sequence[str]) -> AnswerText:
 
 def answer_markdown(lines: Sequence[str], escape=lambda t: t) -> str:
     """A report's first lines as one markdown paragraph, one line each."""
-    return "  \n".join(escape(line) for line in lines if line) + "\n"
+    return "  \n".join(escape(printable(line)) for line in lines if line) + "\n"
 
 
 def human_count(n: int) -> str:
@@ -132,6 +134,18 @@ class Section:
     names: tuple[int, ...] = ()  # columns of dotted names: folded in the middle, not wrapped
 
 
+def printable_section(s: Section) -> Section:
+    """``s`` with every text escaped for a terminal (``errors.printable``): tensor and
+    module names come from the files a report reads."""
+    return dataclasses.replace(
+        s,
+        title=printable(s.title),
+        headers=tuple(printable(h) for h in s.headers),
+        rows=tuple(tuple(printable(c) for c in row) for row in s.rows),
+        caption=printable(s.caption),
+    )
+
+
 def common_prefix(names: Sequence[str]) -> str:
     """The dotted prefix every name shares (``model.layers.0.``), or ``""``."""
     if len(names) < 2:
@@ -189,6 +203,7 @@ def section_table(s: Section, *, fold_names: bool = True) -> Table:
     from rich.table import Table
     from rich.text import Text
 
+    s = printable_section(s)
     table = Table(
         title=Text(s.title, style="bold"),
         title_justify="left",
@@ -219,6 +234,7 @@ def section_table(s: Section, *, fold_names: bool = True) -> Table:
 
 def section_markdown(s: Section, escape=lambda t: t) -> str:
     """``### title``, the table, and the caption in italics."""
+    s = printable_section(s)
     headers = s.headers if any(s.headers) else ("",) * max((len(r) for r in s.rows), default=1)
     text = f"### {escape(s.title)}\n\n{markdown_table(headers, s.rows)}"
     return text + (f"\n\n_{escape(s.caption)}_" if s.caption else "") + "\n"

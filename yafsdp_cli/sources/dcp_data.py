@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import dtypes
-from ..errors import SourceError
+from ..errors import SourceError, excerpt, printable
 from ..fileio import read_exact
 from .dcp_meta import DcpMetadata
 from .torch_archive import Archive, Member, NeedsTorchError, check_crc, read_archive
@@ -43,6 +43,11 @@ from .torch_pickle import Dtype, RawTensor, TensorRef, load_pickle
 
 MAX_PICKLE = 16 * 1024 * 1024  # data.pkl of one tensor is ~200 bytes; a value's is small
 MAX_VALUE_TENSOR = 16 * 1024 * 1024  # a tensor inside a pickled value, read into memory
+# A pickled value is walked item by item: at most this many per byte of its pickle
+# (each item of a plain value costs at least one opcode; one list referenced many
+# times costs a few bytes per reference and expands when walked), and this deep.
+VALUE_ITEMS_PER_BYTE = 4
+MAX_VALUE_DEPTH = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +78,11 @@ def tensor_pieces(md: DcpMetadata, fqn: str) -> list[ChunkBytes] | None:
 
 
 def _where(md: DcpMetadata, info) -> str:
-    return f"the chunk at byte {info.offset} of {info.relative_path}"
+    return f"the chunk at byte {info.offset} of {printable(info.relative_path)}"
 
 
 def _failed(md: DcpMetadata, fqn: str, why: SourceError) -> SourceError:
-    return SourceError(f"{md.folder}: reading {fqn!r} failed ({why})")
+    return SourceError(f"{md.folder}: reading {excerpt(fqn, 200)} failed ({why})")
 
 
 def _open(md: DcpMetadata, fqn: str, info) -> Archive | None:
@@ -97,13 +102,16 @@ def _open(md: DcpMetadata, fqn: str, info) -> Archive | None:
         raise _failed(md, fqn, exc) from None
 
 
-def _pickled(md: DcpMetadata, fqn: str, info, archive: Archive) -> Any:
-    """data.pkl's object; ``NeedsTorchError`` for what only torch reads."""
+def _pickled(md: DcpMetadata, fqn: str, info, archive: Archive, sizes: list | None = None) -> Any:
+    """data.pkl's object (its size appended to ``sizes``); ``NeedsTorchError`` for
+    what only torch reads."""
     where = _where(md, info)
     try:
         data = archive.read("data.pkl", MAX_PICKLE, where)
     except SourceError as exc:
         raise _failed(md, fqn, exc) from None
+    if sizes is not None:
+        sizes.append(len(data))
     try:
         return load_pickle(data)
     except NeedsTorchError:
@@ -172,7 +180,7 @@ def read_values(md: DcpMetadata, fqns: list[str]) -> dict[str, Any] | None:
             if pieces is None:
                 return None
             meta = md.tensors[fqn]
-            data = read_pieces(pieces, f"{md.folder}: {fqn!r}")
+            data = read_pieces(pieces, f"{md.folder}: {excerpt(fqn, 200)}")
             out[fqn] = RawTensor(meta.dtype, meta.shape, data)
             continue
         value = _value(md, fqn)
@@ -194,15 +202,46 @@ def _value(md: DcpMetadata, fqn: str) -> Any:
     archive = _open(md, fqn, info)
     if archive is None:
         return _TORCH
+    sizes: list[int] = []
     try:
-        return _materialize(_pickled(md, fqn, info, archive), archive, md, fqn, info)
+        value = _pickled(md, fqn, info, archive, sizes)
+        walk = _Walk(archive, md, fqn, info, VALUE_ITEMS_PER_BYTE * sizes[0] + 1024)
+        return _materialize(value, walk, 0)
     except NeedsTorchError:
         return _TORCH
 
 
-def _materialize(value: Any, archive: Archive, md: DcpMetadata, fqn: str, info) -> Any:
-    """``value`` with each ``TensorRef`` read into a ``RawTensor``."""
+@dataclass
+class _Walk:
+    """What ``_materialize`` carries down a value: where it is, and how many more
+    items it may visit."""
+
+    archive: Archive
+    md: DcpMetadata
+    fqn: str
+    info: Any
+    items_left: int
+
+    def refuse(self, why: str) -> SourceError:
+        return _failed(self.md, self.fqn, SourceError(f"{_where(self.md, self.info)}: {why}"))
+
+
+def _materialize(value: Any, walk: _Walk, depth: int) -> Any:
+    """``value`` with each ``TensorRef`` read into a ``RawTensor``; a value that holds
+    more items than its pickle's size warrants, or nests too deeply, is refused."""
+    walk.items_left -= 1
+    if walk.items_left < 0:
+        raise walk.refuse(
+            "the pickled value holds far more items than its size warrants (one list "
+            "referenced over and over); the checkpoint is damaged"
+        )
+    if depth > MAX_VALUE_DEPTH:
+        raise walk.refuse(f"the pickled value nests more than {MAX_VALUE_DEPTH} deep")
+    archive, md, fqn, info = walk.archive, walk.md, walk.fqn, walk.info
     if isinstance(value, TensorRef):
+        why = dtypes.shape_problem(value.shape, value.dtype)
+        if why is not None:
+            raise walk.refuse(f"a tensor of shape {excerpt(list(value.shape))}: {why}")
         where = _where(md, info)
         member = _storage_member(md, fqn, where, archive, value)
         if member.nbytes > MAX_VALUE_TENSOR:
@@ -217,10 +256,10 @@ def _materialize(value: Any, archive: Archive, md: DcpMetadata, fqn: str, info) 
     if isinstance(value, Dtype):
         raise NeedsTorchError("a dtype as a value")
     if isinstance(value, list):
-        return [_materialize(v, archive, md, fqn, info) for v in value]
+        return [_materialize(v, walk, depth + 1) for v in value]
     if isinstance(value, tuple):
-        return tuple(_materialize(v, archive, md, fqn, info) for v in value)
+        return tuple(_materialize(v, walk, depth + 1) for v in value)
     if isinstance(value, dict):
-        items = [(k, _materialize(v, archive, md, fqn, info)) for k, v in value.items()]
+        items = [(k, _materialize(v, walk, depth + 1)) for k, v in value.items()]
         return type(value)(items)
     return value

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..engine import dtypes
-from ..errors import SourceError
+from ..errors import SourceError, cut
 from ..fileio import CHUNK_BYTES, read_chunks
 from .dcp_data import ChunkBytes, tensor_pieces
 from .dcp_meta import METADATA_NAME, DcpMetadata, DcpTensor, read_dcp_metadata
@@ -61,12 +61,18 @@ def open_dcp(folder: Path) -> DcpWeights:
     md = read_dcp_metadata(folder)
     split = _split(md)
     if not split.model:
-        tops = ", ".join(sorted({_top(md, f)[0] for f in md.tensors})) or "none"
+        tops = _some(sorted({_top(md, f)[0] for f in md.tensors})) or "none"
         raise SourceError(
             f"{folder}: a DCP checkpoint with no model weights (its tensor entries: {tops})"
         )
     state = _describe(md, split)
     return DcpWeights(DcpReader(md, split.model), state, tuple(_notes(state, split.key)))
+
+
+def _some(names, shown: int = 8) -> str:
+    """Names from the file for a message: the first few, each bounded and escaped."""
+    out = ", ".join(cut(n, 80) for n in names[:shown])
+    return out + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,14 +167,14 @@ def _notes(state: CheckpointState, key: str | None) -> list[str]:
     where = f"the checkpoint's {key!r} entry" if key else "the checkpoint's top-level tensors"
     notes = [f"DCP checkpoint saved in {state.files} data file(s); weights from {where}"]
     if state.optimizer:
-        names = ", ".join(g.name for g in state.optimizer)
+        names = _some([g.name for g in state.optimizer])
         kind = state.optimizer_kind or "unrecognised"
         notes.append(
             f"it also holds {kind} optimizer state ({names}) for {state.optimizer_params} "
             "parameters; convert carries it as state buffers (--weights-only leaves it out)"
         )
     if state.other:
-        notes.append(f"other entries, not read: {', '.join(g.name for g in state.other)}")
+        notes.append(f"other entries, not read: {_some([g.name for g in state.other])}")
     return notes
 
 
@@ -306,7 +312,7 @@ def load_into(state: dict[str, torch.Tensor], reader, folder: Path) -> None:
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
             dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
-        names = ", ".join(list(state)[:2])
+        names = _some(list(state), 2)
         raise SourceError(f"{folder}: reading {names} failed ({cause(exc)})") from None
 
 

@@ -11,23 +11,38 @@ checkpoint, and nothing here needs it. Then the content is checked as hostile:
 each tensor has a known dtype and a non-negative shape, its chunks lie inside it and
 tile it exactly (no hole would be left as stale memory, no overlap), and every chunk
 has a storage record naming a file in the folder and a byte range inside that file.
-Nothing here reads tensor data.
+Nothing here reads tensor data, and no check costs more than the file's size
+warrants: shapes pass the one size rule of every reader (``dtypes.shape_problem``)
+before anything is computed from them, the tiling check is linear for the chunk
+grids DTensor saves, and messages quote a bounded excerpt of a bad value (a list
+that holds one list many times is a few bytes of pickle and billions of elements
+when written out). ``.metadata`` and the data files are read only when they lie in
+the folder: a symbolic link out of it (to ``/proc/self/environ``, a home folder) is
+refused by name.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..engine import dtypes
-from ..errors import SourceError, YafsdpError
+from ..errors import SourceError, YafsdpError, cut, excerpt, printable
+from ..fileio import read_capped, require_file, require_inside
 from .dcp_pickle import MetadataUnpickler, StorageMeta, is_a
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # a 70B model saved by 1024 ranks needs well under this
+NAME_CHARS = 200  # of a name from the file, quoted in a message
+# The tiling check visits each chunk a few times per dimension it is split along
+# (DTensor's grids of shards cancel out at every inner boundary); a chunking whose
+# pieces never line up costs more, up to this many visits per chunk, then is refused.
+TILING_VISITS_PER_CHUNK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +135,7 @@ def _check(folder: Path, raw) -> tuple[dict[str, DcpTensor], list[str], dict[str
     non_tensors = []
     for fqn, item in raw.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            raise SourceError(f"{where}: a key {fqn!r} that is not a string")
+            raise SourceError(f"{where}: a key {excerpt(fqn)} that is not a string")
         if is_a(item, "BytesStorageMetadata"):
             non_tensors.append(fqn)
             continue
@@ -129,23 +144,16 @@ def _check(folder: Path, raw) -> tuple[dict[str, DcpTensor], list[str], dict[str
 
 
 def _unpickle(path: Path, *, real_torch: bool = False):
+    require_inside(path.parent, path)
+    raw = read_capped(path, MAX_METADATA_BYTES, what="a checkpoint's metadata")
     try:
-        size = path.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise SourceError(
-                f"{path}: {size} bytes is too large for a checkpoint's metadata "
-                f"(limit {MAX_METADATA_BYTES}); the file is not DCP metadata"
-            )
-        with open(path, "rb") as f:
-            return MetadataUnpickler(f, path, real_torch=real_torch).load()
+        return MetadataUnpickler(io.BytesIO(raw), path, real_torch=real_torch).load()
     except YafsdpError:
         raise
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror})") from None
     except Exception as exc:  # truncated or garbled pickle: any error its opcodes raise
         raise SourceError(
             f"{path}: not a readable torch.distributed.checkpoint metadata file "
-            f"({type(exc).__name__}: {_first_line(exc)})"
+            f"({type(exc).__name__}: {cut(_first_line(exc))})"
         ) from None
 
 
@@ -161,9 +169,10 @@ def _storage_index(where: Path, storage_data) -> dict[tuple, Any]:
     out = {}
     for key, info in storage_data.items():
         fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
-        if not isinstance(fqn, str):
-            raise SourceError(f"{where}: a storage record keyed by {key!r}")
-        out[(fqn, None if offset is None else tuple(offset))] = info
+        offsets = None if offset is None else _ints(offset)
+        if not isinstance(fqn, str) or (offset is not None and offsets is None):
+            raise SourceError(f"{where}: a storage record keyed by {excerpt(key)}")
+        out[(fqn, offsets)] = info
     return out
 
 
@@ -173,30 +182,43 @@ def _planner_paths(raw) -> dict[str, tuple]:
     data = getattr(raw, "planner_data", None)
     if not isinstance(data, dict):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, tuple) and v}
+    return {k: v for k, v in data.items() if isinstance(k, str) and _key_path(v)}
+
+
+def _key_path(value) -> bool:
+    """A key path as ``dcp.save`` records it: a tuple of names and list indices (so
+    nothing nested in it is walked, printed or hashed later)."""
+    return type(value) is tuple and bool(value) and all(type(k) in (str, int) for k in value)
 
 
 def _check_tensor(folder, where, fqn, item, storage, sizes) -> DcpTensor:
     if not is_a(item, "TensorStorageMetadata"):
-        raise SourceError(f"{where}: entry {fqn!r} is a {type(item).__name__}, not a tensor")
+        raise SourceError(f"{where}: entry {_q(fqn)} is a {type(item).__name__}, not a tensor")
     try:
         dtype = dtypes.from_torch(item.properties.dtype)
     except (AttributeError, YafsdpError):
         raise SourceError(
-            f"{where}: tensor {fqn!r} has an unsupported dtype "
-            f"{getattr(item.properties, 'dtype', None)!r}"
+            f"{where}: tensor {_q(fqn)} has an unsupported dtype "
+            f"{excerpt(getattr(item.properties, 'dtype', None))}"
         ) from None
-    shape = _ints(item.size)
-    if shape is None:
-        raise SourceError(f"{where}: tensor {fqn!r} has a bad shape {item.size!r}")
-    chunks = [_chunk(where, fqn, c, shape) for c in item.chunks or ()]
+    size = getattr(item, "size", None)
+    shape = tuple(size) if isinstance(size, (list, tuple)) else None
+    why = dtypes.shape_problem(shape, dtype) if shape is not None else "not a list"
+    if why is not None:
+        raise SourceError(
+            f"{where}: tensor {_q(fqn)} has a bad shape {excerpt(_listed(size))}: {why}"
+        )
+    listed = getattr(item, "chunks", None)
+    if not isinstance(listed, (list, tuple)):
+        raise SourceError(f"{where}: tensor {_q(fqn)} has no list of chunks")
+    chunks = [_chunk(where, fqn, c, shape) for c in listed]
     covered = sum(math.prod(size) for _, size in chunks)
     if covered != math.prod(shape):
         raise SourceError(
-            f"{where}: the chunks of tensor {fqn!r} cover {covered} of its "
+            f"{where}: the chunks of tensor {_q(fqn)} cover {covered} of its "
             f"{math.prod(shape)} elements; the checkpoint is incomplete or damaged"
         )
-    _check_disjoint(where, fqn, chunks)
+    _check_disjoint(where, fqn, shape, chunks)
     for offsets, size in chunks:
         if math.prod(size):  # an empty shard (a rank with no rows) is never read
             _check_storage(folder, where, fqn, storage.get((fqn, offsets)), sizes)
@@ -211,35 +233,121 @@ def _ints(values) -> tuple[int, ...] | None:
     return out if all(type(v) is int and v >= 0 for v in out) else None
 
 
+def _listed(value):
+    """A shape as a message shows it: ``[2, 3]``, not ``(2, 3)``."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _q(name: str) -> str:
+    """A name from the file, quoted for a message (bounded, control characters escaped)."""
+    return excerpt(name, NAME_CHARS)
+
+
 def _chunk(where, fqn, chunk, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     offsets, size = _ints(getattr(chunk, "offsets", None)), _ints(getattr(chunk, "sizes", None))
     ok = offsets is not None and size is not None and len(offsets) == len(size) == len(shape)
     if not ok or any(o + s > d for o, s, d in zip(offsets, size, shape, strict=True)):
         raise SourceError(
-            f"{where}: tensor {fqn!r} of shape {list(shape)} has a chunk outside it "
-            f"(offsets {getattr(chunk, 'offsets', None)}, sizes {getattr(chunk, 'sizes', None)})"
+            f"{where}: tensor {_q(fqn)} of shape {list(shape)} has a chunk outside it "
+            f"(offsets {excerpt(getattr(chunk, 'offsets', None))}, "
+            f"sizes {excerpt(getattr(chunk, 'sizes', None))})"
         )
     return offsets, size
 
 
-def _check_disjoint(where, fqn, chunks) -> None:
-    """No two chunks share an element: a sweep along dim 0 (FSDP shards dim 0, so the
-    active set stays small; TP adds its degree)."""
-    if not chunks or not chunks[0][0]:
-        return  # a 0-d tensor: the coverage count already allows one chunk only
-    spans = sorted((c for c in chunks if math.prod(c[1])), key=lambda c: c[0][0])
+def _check_disjoint(where, fqn, shape, chunks) -> None:
+    """No two chunks share an element. The chunks lie inside the tensor and their
+    sizes add up to its size (checked before), so they share none exactly when they
+    tile it, which ``_tiles`` checks in time linear in the chunks for the grids of
+    shards DTensor saves; only then is a pair that overlaps looked for, to name it."""
+    boxes = [c for c in chunks if math.prod(c[1])]
+    if not boxes or not shape:
+        return  # nothing stored, or a 0-d tensor: the coverage count allows one chunk only
+    budget = [TILING_VISITS_PER_CHUNK * len(boxes) + 4096]
+    try:
+        if _tiles(boxes, shape, budget):
+            return
+    except _TooIrregularError:
+        raise SourceError(
+            f"{where}: tensor {_q(fqn)} is saved in {len(boxes)} chunks that do not line up "
+            "along any dimension, too irregular to check; torch.distributed.checkpoint "
+            "saves grids of shards, so the metadata is not its own"
+        ) from None
+    pair = _overlapping_pair(boxes)
+    at = f" at offsets {list(pair[0])} and {list(pair[1])}" if pair else ""
+    raise SourceError(
+        f"{where}: tensor {_q(fqn)} has overlapping chunks{at}; the checkpoint is damaged"
+    )
+
+
+class _TooIrregularError(Exception):
+    """The tiling check ran out of its budget."""
+
+
+def _tiles(boxes, shape, budget: list[int]) -> bool:
+    """Whether the boxes ``(offsets, sizes)`` tile ``[0, shape)`` exactly: every
+    element in exactly one of them.
+
+    As functions of the index, a box's indicator is a product over dimensions of
+    ``H(x - start) - H(x - end)`` (``H`` a step), and steps at different positions are
+    linearly independent. So "the boxes' indicators add up to the tensor's" holds
+    exactly when, for each position ``c`` along one dimension, the boxes that start
+    at ``c`` and those that end there (with the opposite sign) add up to the same
+    thing over the other dimensions: one smaller problem per position, each box in
+    two of them. Boxes equal over the remaining dimensions cancel before going
+    further, and a dimension every box spans alike is dropped, so a grid costs a
+    few visits per chunk and dimension; ``budget`` bounds the rest."""
+    items = [(1, off, tuple(o + n for o, n in zip(off, size, strict=True))) for off, size in boxes]
+    items.append((-1, (0,) * len(shape), tuple(shape)))
+    return _sums_to_zero(items, budget)
+
+
+def _sums_to_zero(items, budget: list[int]) -> bool:
+    """Whether the weighted boxes ``(weight, starts, ends)`` add up to zero everywhere."""
+    merged: dict[tuple, int] = {}
+    for w, lo, hi in items:
+        merged[(lo, hi)] = merged.get((lo, hi), 0) + w
+    live = [(w, lo, hi) for (lo, hi), w in merged.items() if w]
+    budget[0] -= len(items)
+    if budget[0] < 0:
+        raise _TooIrregularError
+    if not live:
+        return True
+    dims = len(live[0][1])
+    first = live[0]
+    keep = [d for d in range(dims) if any(lo[d] != first[1][d] or hi[d] != first[2][d]
+                                          for _, lo, hi in live)]  # fmt: skip
+    if not keep:  # every box alike: their weights must cancel
+        return sum(w for w, _, _ in live) == 0
+    d = keep[0]
+    rest = keep[1:]
+    groups: dict[int, list] = {}
+    for w, lo, hi in live:
+        sub_lo, sub_hi = tuple(lo[i] for i in rest), tuple(hi[i] for i in rest)
+        groups.setdefault(lo[d], []).append((w, sub_lo, sub_hi))
+        groups.setdefault(hi[d], []).append((-w, sub_lo, sub_hi))
+    return all(_sums_to_zero(group, budget) for group in groups.values())
+
+
+def _overlapping_pair(boxes, comparisons: int = 200_000):
+    """The offsets of two boxes that share an element, or None when none is found
+    within ``comparisons`` comparisons: a sweep along the dimension with the most
+    distinct offsets (the one the shards split most finely, so few boxes are in play
+    at once)."""
+    d = max(range(len(boxes[0][0])), key=lambda i: len({off[i] for off, _ in boxes}))
     active: list = []
-    for off, size in spans:
-        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+    for off, size in sorted(boxes, key=lambda c: c[0][d]):
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        comparisons -= len(active)
+        if comparisons < 0:
+            return None
         for a_off, a_size in active:
             if all(
                 a < b + n and b < a + m for a, m, b, n in zip(a_off, a_size, off, size, strict=True)
             ):
-                raise SourceError(
-                    f"{where}: tensor {fqn!r} has overlapping chunks at offsets "
-                    f"{list(a_off)} and {list(off)}; the checkpoint is damaged"
-                )
+                return a_off, off
         active.append((off, size))
+    return None
 
 
 def _check_storage(folder: Path, where, fqn, info, sizes: dict[str, int]) -> None:
@@ -247,23 +355,26 @@ def _check_storage(folder: Path, where, fqn, info, sizes: dict[str, int]) -> Non
     name = getattr(info, "relative_path", None)
     offset, length = getattr(info, "offset", None), getattr(info, "length", None)
     if info is None or not isinstance(name, str):
-        raise SourceError(f"{where}: tensor {fqn!r} has a chunk with no storage record")
-    if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+        raise SourceError(f"{where}: tensor {_q(fqn)} has a chunk with no storage record")
+    if Path(name).name != name or name in ("", ".", "..") or "\\" in name or "\0" in name:
         raise SourceError(
-            f"{where}: tensor {fqn!r} is stored in {name!r}, outside the checkpoint folder"
+            f"{where}: tensor {_q(fqn)} is stored in {_q(name)}, outside the checkpoint folder"
         )
     if name not in sizes:
-        try:
-            sizes[name] = (folder / name).stat().st_size
-        except OSError:
+        path = folder / name
+        if not os.path.lexists(path):
             raise SourceError(
-                f"{folder}: tensor {fqn!r} is stored in {name}, which is missing; the "
-                "checkpoint is incomplete (copy every .distcp file)"
-            ) from None
+                f"{folder}: tensor {_q(fqn)} is stored in {printable(name)}, which is missing; "
+                "the checkpoint is incomplete (copy every .distcp file)"
+            )
+        require_inside(folder, path, where=str(folder))
+        sizes[name] = require_file(path)
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise SourceError(f"{where}: tensor {fqn!r} has a bad byte range {offset!r}+{length!r}")
+        raise SourceError(
+            f"{where}: tensor {_q(fqn)} has a bad byte range {excerpt(offset)}+{excerpt(length)}"
+        )
     if offset + length > sizes[name]:
         raise SourceError(
-            f"{folder / name}: tensor {fqn!r} needs bytes up to {offset + length}, but the "
-            f"file has {sizes[name]} (truncated)"
+            f"{folder / printable(name)}: tensor {_q(fqn)} needs bytes up to {offset + length}, "
+            f"but the file has {sizes[name]} (truncated)"
         )

@@ -24,7 +24,7 @@ import pathlib
 import pickle
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import SourceError, cut
 from .torch_pickle import TORCH_DTYPES, Dtype, TorchNamePickler
 
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -84,8 +84,16 @@ class MetadataIndex(_Record):
     index = None
 
     def _key(self):
-        offset = getattr(self, "offset", None)
-        return (getattr(self, "fqn", None), None if offset is None else tuple(offset))
+        """``(fqn, offsets)``; a key of any other make is equal to itself only, so that
+        hashing it while the pickle loads never walks what it holds (a tuple of tuples
+        that share their parts costs exponential time to hash, and ``_storage_index``
+        refuses such a key afterwards)."""
+        fqn, offset = getattr(self, "fqn", None), getattr(self, "offset", None)
+        if offset is not None:
+            if not isinstance(offset, (tuple, list)) or not all(type(o) is int for o in offset):
+                return (id(self),)
+            offset = tuple(offset)
+        return (fqn, offset) if type(fqn) is str else (id(self),)
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -205,7 +213,8 @@ class MetadataUnpickler(pickle.Unpickler):
         known = (module, name) in _STAND_INS or (module == "torch" and name in TORCH_DTYPES)
         if not known:
             raise SourceError(
-                f"{self.where}: the metadata pickle names {module}.{name}, which a "
+                f"{self.where}: the metadata pickle names {cut(f'{module}.{name}')}, "
+                "which a "
                 "torch.distributed.checkpoint metadata file never holds; loading it could run "
                 "code from the file, so it is refused"
             )

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import dtypes
-from ..errors import SourceError, YafsdpError
+from ..errors import SourceError, YafsdpError, excerpt
 from ..fileio import CHUNK_BYTES, read_chunks, read_json, require_file
 from .shards import shard_names, shard_path
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
-MAX_TENSOR_BYTES = 2**63 - 1  # offsets are 64-bit: a shape past this is a lie
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +139,9 @@ def _entry(path: Path, name: str, info, data_start: int) -> StEntry:
             f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}"
         ) from None
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise SourceError(f"{path}: tensor {name!r} has a bad shape {shape!r}")
+    why = dtypes.shape_problem(shape, dtype) if isinstance(shape, list) else "not a list"
+    if why is not None:
+        raise SourceError(f"{path}: tensor {name!r} has a bad shape {excerpt(shape)}: {why}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -150,11 +150,6 @@ def _entry(path: Path, name: str, info, data_start: int) -> StEntry:
     ):
         raise SourceError(f"{path}: tensor {name!r} has bad data_offsets {offsets!r}")
     expected = math.prod(shape) * dtypes.itemsize(dtype)
-    if expected > MAX_TENSOR_BYTES:
-        raise SourceError(
-            f"{path}: tensor {name!r} has a bad shape {shape!r}: {dtype} of that shape is "
-            "more than 2^63 bytes"
-        )
     if offsets[1] - offsets[0] != expected:
         raise SourceError(
             f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but "

@@ -69,7 +69,7 @@ def read_training_state(loaded: LoadedModel) -> TrainingState | None:
     if trainer_folder_of(loaded) is not None:
         return _from_trainer(loaded)
     if isinstance(reader, DcpReader):
-        return _from_dcp(reader, loaded.spec.source)
+        return _from_dcp(reader, loaded.spec.source, loaded)
     if loaded.path is not None and loaded.path.suffix in TORCH_SUFFIXES:
         return _from_torch(loaded)
     return None
@@ -87,7 +87,7 @@ def _state_key(path: tuple) -> tuple[str, str] | None:
     return None
 
 
-def _from_dcp(reader: DcpReader, where: str) -> TrainingState | None:
+def _from_dcp(reader: DcpReader, where: str, loaded: LoadedModel) -> TrainingState | None:
     md = reader.md
     model_fqns = set(reader.fqns.values())
     name, fqn = next(iter(reader.fqns.items()))
@@ -117,10 +117,64 @@ def _from_dcp(reader: DcpReader, where: str) -> TrainingState | None:
         if key is not None:
             scalars.setdefault(key[0], {})[key[1]] = values[fqn]
         extras.append((path, values[fqn]))
+    if _numbered(tensors, reader.fqns):
+        names = _dcp_param_names(loaded, tensors, extras, where)
+        tensors = [dataclasses.replace(t, param=names[t.param]) for t in tensors]
+        scalars = {names.get(p, p): v for p, v in scalars.items()}
     state_reader = DcpReader(md, {t.key: t.key for t in tensors}) if tensors else None
     return TrainingState(
         "dcp", model_path, tuple(tensors), scalars, tuple(extras), state_reader, where
     )
+
+
+def _numbered(tensors: list[StateTensor], weights: dict[str, str]) -> bool:
+    """Whether the optimizer state is keyed by position (``dcp.save`` of a plain
+    ``optimizer.state_dict()``: ``optimizer.state.0.exp_avg``) rather than by name."""
+    params = {t.param for t in tensors}
+    return (
+        bool(params)
+        and all(p.isascii() and p.isdigit() and len(p) < 19 for p in params)
+        and not (params & set(weights))
+    )
+
+
+def _dcp_param_names(
+    loaded: LoadedModel, tensors: list[StateTensor], extras: list, where: str
+) -> dict[str, str]:
+    """Position (as the state's key) -> parameter name, through ``--model``'s
+    ``parameters()`` order, as for ``torch.save(optimizer.state_dict())``; the
+    positions are those the param groups list, in order."""
+    groups: dict[int, Any] = {}
+    for path, value in extras:
+        if len(path) == 4 and path[1] == "param_groups" and path[3] == "params":
+            groups[path[2]] = value
+    order = sorted(i for i in groups if type(i) is int)
+    ids = [p for i in order if isinstance(groups[i], list) for p in groups[i]]
+    if not ids or not all(type(p) is int for p in ids):
+        ids = sorted({int(t.param) for t in tensors})
+    module = loaded.module
+    if module is None:
+        raise SourceError(
+            f"{where}: the optimizer state numbers its parameters by position "
+            f"(0..{max(ids)}), as optimizer.state_dict() does; give the architecture with "
+            "--model package.module:factory so the positions can be named, save it with "
+            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (which keys "
+            "it by name), or pass --weights-only"
+        )
+    params = [n for n, _ in module.named_parameters()]
+    if len(params) != len(ids):
+        raise SourceError(
+            f"{where}: the optimizer holds {len(ids)} parameters, but --model has "
+            f"{len(params)}; the optimizer was not built over model.parameters()"
+        )
+    names = {str(i): n for i, n in zip(ids, params, strict=True)}
+    missing = sorted({t.param for t in tensors} - set(names), key=int)
+    if missing:
+        raise SourceError(
+            f"{where}: the optimizer holds state for parameter {missing[0]}, which no param "
+            "group lists; not an optimizer.state_dict()"
+        )
+    return names
 
 
 def _load_values(md, fqns: list[str], where: str) -> dict[str, Any]:
