@@ -7,6 +7,7 @@ import pickle
 import struct
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +67,58 @@ def test_torchs_own_dcp_metadata_passes(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
     assert check_pickle((tmp_path / ".metadata").read_bytes()) > 20
+
+
+# ------------------------------------------------ through the commands that read them
+
+
+def _nested_key(depth: int) -> bytes:
+    """A dict whose one key is a tuple nested ``depth`` deep: hashing it as the
+    unpickler stores it recurses in C past the stack."""
+    return b"\x80\x04}" + b")" + b"\x85" * depth + b"K\x01s."
+
+
+def _shared_key(levels: int) -> bytes:
+    """A dict whose key is ``t = (t', t')`` over ``levels`` levels: 2**levels steps to hash."""
+    body = b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(levels))
+    return b"\x80\x04}" + b")\x94" + body + b"K\x01s."
+
+
+HOSTILE_METADATA = {
+    "memo-index": _with_memo_index(1_298_491_233),
+    "bytes-length": _with_length(b"\x96", 2**40),
+    "nested-key": _nested_key(200_000),
+    "shared-key": _shared_key(60),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_METADATA))
+def test_a_hostile_dcp_metadata_is_refused_before_it_is_unpickled(tmp_path, name):
+    """In a process of its own: without the check, "nested-key" ends it with a
+    segmentation fault, "shared-key" never ends and "memo-index" zeroes 20 GB."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(HOSTILE_METADATA[name])
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys; from yafsdp_cli.cli import console; sys.argv[0] = 'yafsdp'; console()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "inspect", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-500:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {folder}/.metadata: not a "), lines
+    assert "internal error" not in lines[0]
+
+
+def test_a_pickled_value_in_a_distcp_file_is_checked_too():
+    from yafsdp_cli.sources.torch_pickle import load_pickle
+
+    with pytest.raises(PickleShapeError, match="nested more than 64 deep"):
+        load_pickle(_nested_key(1000))

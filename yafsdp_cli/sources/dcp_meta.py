@@ -35,6 +35,7 @@ from ..engine import dtypes
 from ..errors import SourceError, YafsdpError, cut, excerpt, printable
 from ..fileio import read_capped, require_file, require_inside
 from .dcp_pickle import MetadataUnpickler, StorageMeta, is_a
+from .pickle_guard import PickleShapeError, check_pickle
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # a 70B model saved by 1024 ranks needs well under this
@@ -146,6 +147,12 @@ def _check(folder: Path, raw) -> tuple[dict[str, DcpTensor], list[str], dict[str
 def _unpickle(path: Path, *, real_torch: bool = False):
     require_inside(path.parent, path)
     raw = read_capped(path, MAX_METADATA_BYTES, what="a checkpoint's metadata")
+    try:
+        check_pickle(raw)
+    except PickleShapeError as exc:
+        raise SourceError(
+            f"{path}: not a torch.distributed.checkpoint metadata file ({cut(str(exc))})"
+        ) from None
     try:
         return MetadataUnpickler(io.BytesIO(raw), path, real_torch=real_torch).load()
     except YafsdpError:

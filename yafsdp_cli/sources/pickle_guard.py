@@ -4,19 +4,57 @@ Python's C unpickler keeps its memo in an array indexed by the number a ``PUT``
 opcode gives: one ``LONG_BINPUT 1298491233`` in a 1 KB file makes it allocate and
 zero a 20 GB array before anything else is read, and a ``BINBYTES8`` or
 ``BYTEARRAY8`` length is allocated before the bytes behind it are found missing.
+Tuples are the other hazard: the unpickler hashes a dict key as it stores it, and a
+tuple's hash walks the whole tuple recursively in C, so a key nested 200,000 deep
+overflows the C stack (a segmentation fault, not an exception), and a key built of
+one tuple referenced twice at each of 60 levels takes 2^60 steps.
+
 The pickles yafsdp reads itself (DCP ``.metadata``, the pickled entries of
-``.distcp`` files) are small and written by ``pickle.Pickler``, which numbers the
-memo 0, 1, 2, ... in order. So before unpickling, every opcode is walked once
-(``pickletools.genops`` reads lengths against the bytes there are, allocating
-nothing past them), and a memo index beyond the entries stored so far is refused.
+``.distcp`` files) are written by ``pickle.Pickler``, which numbers the memo 0, 1,
+2, ... in order, and hold tuples a few levels deep (offsets, sizes, key paths). So
+before unpickling, every opcode is walked once (``pickletools.genops`` reads lengths
+against the bytes there are, allocating nothing past them) with a stand-in stack
+that tracks each tuple's depth and its size counted with repeats; a memo index out
+of order, or a tuple past ``MAX_TUPLE_DEPTH`` or over ``TUPLE_ITEMS_PER_BYTE`` items
+per byte of the pickle, is refused.
 """
 
 from __future__ import annotations
 
 import pickletools
 
-_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+MAX_TUPLE_DEPTH = 64
+TUPLE_ITEMS_PER_BYTE = 4  # an item costs a pickle at least one opcode, unless shared
+
+_OPEN = None  # a MARK on the stand-in stack
+_LEAF = (1, 0)  # (items counted with repeats, tuple depth) of anything but a tuple
+# What each opcode does to the stand-in stack, by kind: the memo ones, the tuple
+# builders (how many items, -1: back to the MARK), and every other one as
+# (takes a slice back to a MARK, items it pops besides, items it pushes).
+_PUT, _MEMOIZE, _GET, _MARK_OP, _TUPLE, _OTHER = range(6)
+_TUPLE_N = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "TUPLE": -1}
+
+
+def _action(op) -> tuple:
+    name = op.name
+    if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+        return (_PUT,)
+    if name == "MEMOIZE":
+        return (_MEMOIZE,)
+    if name in ("GET", "BINGET", "LONG_BINGET"):
+        return (_GET,)
+    if name == "MARK":
+        return (_MARK_OP,)
+    if name in _TUPLE_N:
+        return (_TUPLE, _TUPLE_N[name])
+    before = op.stack_before
+    mark = pickletools.markobject in before
+    pops = before.index(pickletools.markobject) if mark else len(before)
+    return (_OTHER, mark, pops, len(op.stack_after))
+
+
+_ACTIONS = {op: _action(op) for op in pickletools.opcodes}
+_LEAVES = [(_LEAF,) * n for n in range(4)]
 
 
 class PickleShapeError(ValueError):
@@ -25,22 +63,74 @@ class PickleShapeError(ValueError):
 
 def check_pickle(data: bytes) -> int:
     """The number of opcodes in ``data``, one pickle; ``PickleShapeError`` for a
-    truncated pickle, a length past its end, or a memo index out of order."""
-    stored = 0  # memo entries so far: explicit puts and MEMOIZE both add one
+    truncated pickle, a length past its end, a memo index out of order, or a tuple
+    too deep or too large (counted with repeats) for the pickle's size."""
+    limit = TUPLE_ITEMS_PER_BYTE * len(data) + 1024
+    stack: list[tuple[int, int] | None] = []
+    memo: dict[int, tuple[int, int] | None] = {}
     count = 0
+    actions = _ACTIONS
     try:
         for op, arg, _ in pickletools.genops(data):
             count += 1
-            if op.name in _PUTS:
-                if not isinstance(arg, int) or not 0 <= arg <= stored:
-                    raise PickleShapeError(f"memo index {arg} after {stored} entries")
-                stored += arg == stored
-            elif op.name == "MEMOIZE":
-                stored += 1
-            elif op.name in _GETS and (not isinstance(arg, int) or not 0 <= arg < stored):
-                raise PickleShapeError(f"memo index {arg} read, of {stored} entries")
+            act = actions[op]
+            kind = act[0]
+            if kind == _OTHER:
+                if act[1]:
+                    _pop_to_mark(stack)
+                if act[2]:
+                    _pop(stack, act[2])
+                stack.extend(_LEAVES[act[3]])
+            elif kind == _PUT:
+                if not isinstance(arg, int) or not 0 <= arg <= len(memo):
+                    raise PickleShapeError(f"memo index {arg} after {len(memo)} entries")
+                memo[arg] = stack[-1] if stack else _LEAF
+            elif kind == _MEMOIZE:
+                memo[len(memo)] = stack[-1] if stack else _LEAF
+            elif kind == _GET:
+                if not isinstance(arg, int) or arg not in memo:
+                    raise PickleShapeError(f"memo index {arg} read, of {len(memo)} entries")
+                stack.append(memo[arg])
+            elif kind == _MARK_OP:
+                stack.append(_OPEN)
+            else:
+                n = act[1]
+                parts = _pop_to_mark(stack) if n < 0 else _pop(stack, n)
+                stack.append(_tuple_of(parts, limit))
     except PickleShapeError:
         raise
-    except ValueError as exc:  # genops: a length past the end, an unknown opcode
+    except (ValueError, IndexError) as exc:  # genops: a length past the end, a bad opcode
         raise PickleShapeError(str(exc).splitlines()[0][:200] if str(exc) else "garbled") from None
     return count
+
+
+def _tuple_of(parts: list, limit: int) -> tuple[int, int]:
+    items = 1 + sum(p[0] for p in parts)
+    depth = 1 + max((p[1] for p in parts), default=0)
+    if depth > MAX_TUPLE_DEPTH:
+        raise PickleShapeError(f"a tuple nested more than {MAX_TUPLE_DEPTH} deep")
+    if items > limit:
+        raise PickleShapeError(
+            f"a tuple of over {limit} items counted with repeats (one tuple referenced "
+            "over and over), far more than its pickle's size warrants"
+        )
+    return items, depth
+
+
+def _pop(stack: list, n: int) -> list:
+    if n > len(stack):
+        raise PickleShapeError("an opcode takes more items than the pickle pushed")
+    parts = stack[-n:] if n else []
+    del stack[len(stack) - n :]
+    if _OPEN in parts:
+        raise PickleShapeError("an opcode takes a MARK as an item")
+    return parts
+
+
+def _pop_to_mark(stack: list) -> list:
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is _OPEN:
+            parts = stack[i + 1 :]
+            del stack[i:]
+            return parts
+    raise PickleShapeError("an opcode closes a MARK that was never opened")

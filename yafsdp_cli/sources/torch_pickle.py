@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import dtypes
+from .pickle_guard import check_pickle
 from .torch_archive import NeedsTorchError
 
 # Every dtype name torch exposes (tests/test_torch_archive.py checks the installed torch)
@@ -248,7 +249,9 @@ class TensorUnpickler(pickle.Unpickler):
 
 def load_pickle(data: bytes) -> Any:
     """data.pkl's object, tensors as ``TensorRef``. ``NeedsTorchError`` for what only torch
-    reads; any other error is the pickle's damage."""
+    reads; any other error is the pickle's damage (``pickle_guard.PickleShapeError``
+    for one no unpickler is given)."""
+    check_pickle(data)
     return TensorUnpickler(io.BytesIO(data)).load()
 
 
