@@ -182,6 +182,33 @@ ADAPTERS = [
         CFG + r"alpha_pattern\['v_proj'\] inf must be a finite",
     ),
     Case(
+        "peft-rank-pattern-null",
+        _config(rank_pattern=None),
+        CFG + r"rank_pattern None is not an object",
+    ),
+    Case(
+        "peft-modules-to-save-number",
+        _config(modules_to_save=[1]),
+        CFG + r"modules_to_save \[1\] is not a list of module names",
+    ),
+    Case("peft-bias-unknown", _config(bias="x"), CFG + r"bias 'x' is none of 'none', 'all'"),
+    # fields with no rule of ours: what peft cannot take, named by the file
+    Case(
+        "peft-init-number",
+        _config(init_lora_weights=5),
+        CFG + r"peft (refuses it|cannot build this adapter) \(AttributeError: .int. object",
+    ),
+    Case(
+        "peft-megatron",
+        _config(megatron_config={"a": 1}),
+        CFG + r"peft (refuses it|cannot build this adapter) \(.*No module named 'megatron'",
+    ),
+    Case(
+        "peft-base-name-too-long",
+        _config(base_model_name_or_path="x" * 5000),
+        r"the adapter's base 'x{76}\.\.\. is not a local folder \(yafsdp does not download\)",
+    ),
+    Case(
         "peft-base-is-itself",
         _self_base,
         CFG + r"base_model_name_or_path '\.' is this adapter folder itself, not a base model",

@@ -5,6 +5,7 @@ whatever its rank."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 from yafsdp_cli.cli import app
 
 from .common import Case, snapshot
-from .peft_cases import ADAPTERS, LORA, MARKER, base, write_adapter
+from .peft_cases import ADAPTERS, LORA, MARKER, adapter_config, base, write_adapter
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -99,6 +100,35 @@ def test_the_generated_adapter_is_good(tmp_path):
         module = load_source(src).build_module()
         lora = {n: p for n, p in module.named_parameters() if "lora_" in n}
         assert len(lora) == 8 and all(bool((p == 0.5).all()) for p in lora.values())
+
+
+def test_an_adapter_without_target_modules_adapts_peft_s_defaults(tmp_path):
+    """``target_modules: null``: peft picks the architecture's own (q_proj and v_proj
+    for a Llama), which the report names."""
+    base(tmp_path)
+    src = write_adapter(tmp_path, config=adapter_config(target_modules=None))
+    result = runner.invoke(app, ["inspect", str(src)])
+    assert result.exit_code == 0, result.output
+    assert "r=4, alpha=8 on q_proj,v_proj" in " ".join(result.stdout.split())
+
+
+def test_the_config_is_read_once_and_capped_before_parsing(tmp_path, monkeypatch):
+    """peft is given the document yafsdp read (capped), never the path to read again."""
+    import peft
+
+    from yafsdp_cli import fileio
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("peft read adapter_config.json again")
+
+    monkeypatch.setattr(peft.LoraConfig, "from_json_file", classmethod(read_again))
+    base(tmp_path)
+    src = write_adapter(tmp_path)
+    assert runner.invoke(app, ["inspect", str(src)]).exit_code == 0
+    (src / "adapter_config.json").write_text(json.dumps(adapter_config(pad=" " * 8192)))
+    monkeypatch.setitem(fileio.read_json.__kwdefaults__, "cap", 4096)
+    line = refused(tmp_path, ["inspect", src])
+    assert f"{src}/adapter_config.json: its JSON holds more than 4096 bytes" in line, line
 
 
 # the adapter of a plan costs no memory, whatever its rank

@@ -149,8 +149,8 @@ def adapted(
             "a Hugging Face folder with config.json or --model package.module:factory"
         )
     quantized: tuple[str, ...] = ()
-    if module is not None:
-        module = meta_copy(module)  # marked frozen below: the source's stays as loaded
+    if module is not None:  # marked frozen below: the source's stays as loaded
+        module = meta_copy(module) if lora is not None else copy.deepcopy(module)
     if module is not None and lora is not None:
         module = inject_lora(module, lora, adapter_state, lora_source(lora_text, adapter_state))
     spec = _spec(base, module, freeze)
@@ -189,6 +189,9 @@ def _tuning_notes(spec, lora, quantize, quantized) -> tuple[str, ...]:
     ]
     if lora is not None:
         targets = lora.target_modules
+        if targets is None:  # peft's defaults for the architecture: the layers it adapted
+            adapted = (t.name.partition(".lora_A.")[0] for t in params if ".lora_A." in t.name)
+            targets = {name.rpartition(".")[2] for name in adapted}
         targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
         notes.append(
             f"LoRA by peft: r={lora.r}, alpha={lora.lora_alpha} on {targets}; "
@@ -269,6 +272,14 @@ def inject_lora(module, lora, weights=None, where: str = "the LoRA adapter"):
         except (ValueError, TypeError, re.error) as exc:  # peft: no target found, bad config
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise YafsdpError(f"{where}: {excerpt(first)}") from None
+        except Exception as exc:
+            if weights is None:  # --lora, checked already: not the user's to fix
+                raise
+            # an adapter folder's config is a file's: whatever peft cannot build from it
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise SourceError(
+                f"{where}: peft cannot build this adapter ({type(exc).__name__}: {excerpt(first)})"
+            ) from None
     if meta:
         _check_ranks(peft, wrapped, where)
     if weights is not None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..engine.finetune import alpha_problem, dropout_problem, rank_problem, shown
+from ..engine.finetune import alpha_problem, dropout_problem, excerpt, rank_problem, shown
 from ..errors import SourceError
 from ..fileio import read_json
 from .adapted import AdaptedModel, adapted, import_peft
@@ -40,6 +40,7 @@ WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _MODULE_FIELDS = ("target_modules", "exclude_modules")
 _NUMBERS = (("r", rank_problem), ("lora_alpha", alpha_problem), ("lora_dropout", dropout_problem))
 _PATTERNS = (("rank_pattern", rank_problem), ("alpha_pattern", alpha_problem))
+_BIASES = ("none", "all", "lora_only")  # peft's LoraConfig.bias
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,10 @@ def _check_config(config: Path, raw: dict) -> None:
         if wrong:
             raise SourceError(f"{config}: {key} {shown(raw[key])} {wrong}")
     for key, problem in _PATTERNS:
-        pattern = raw.get(key)
-        if pattern is None:
+        if key not in raw:
             continue
-        if not isinstance(pattern, dict):
+        pattern = raw[key]
+        if not isinstance(pattern, dict):  # null too: peft reads it as a mapping
             raise SourceError(
                 f"{config}: {key} {shown(pattern)} is not an object of module names and numbers"
             )
@@ -141,6 +142,15 @@ def _check_config(config: Path, raw: dict) -> None:
                 f"{config}: {key} {shown(value)} is neither a list of module names nor a "
                 "regular expression"
             )
+    saved = raw.get("modules_to_save")
+    if saved is not None and not (
+        isinstance(saved, list) and all(isinstance(n, str) for n in saved)
+    ):
+        raise SourceError(f"{config}: modules_to_save {shown(saved)} is not a list of module names")
+    if raw.get("bias", "none") not in _BIASES:
+        raise SourceError(
+            f"{config}: bias {shown(raw['bias'])} is none of {', '.join(map(repr, _BIASES))}"
+        )
 
 
 def _lora_config(config: Path, raw: dict):
@@ -149,9 +159,11 @@ def _lora_config(config: Path, raw: dict):
     fields = {k: v for k, v in raw.items() if k != "runtime_config"}  # peft drops it too
     try:
         lora = peft.LoraConfig.from_peft_type(**fields)
-    except (TypeError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SourceError(f"{config}: peft refuses it ({shown(first)})") from None
+    except Exception as exc:  # any field of a file peft could not take: the file's fault
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise SourceError(
+            f"{config}: peft refuses it ({type(exc).__name__}: {excerpt(first)})"
+        ) from None
     lora.inference_mode = False  # the adapter trains
     return lora
 
@@ -162,7 +174,7 @@ def _base_folder(path: Path, ref) -> Path:
             f"{path}/{CONFIG} names no base model; set base_model_name_or_path to its folder"
         )
     for candidate in (path / ref, Path(ref)):  # an absolute ref is itself either way
-        if candidate.exists():
+        if _exists(candidate):
             if candidate.is_dir() and is_adapter_folder(candidate):
                 what = (
                     "this adapter folder itself"
@@ -186,3 +198,10 @@ def _described(model: AdaptedModel, path: Path, base: Path, config) -> AdaptedMo
     model.spec = replace(model.spec, source=str(path), source_kind="peft", notes=notes)
     model.path = path
     return model
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long for the system, a NUL in it
+        return False
