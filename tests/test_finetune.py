@@ -79,6 +79,7 @@ def test_lora_text_parses():
         ("r=4,beta=2,targets=q_proj", "cannot read 'beta=2'"),
         ("r=4,targets=", "names no targets"),
         ("r=4,q_proj", "cannot read 'q_proj'"),
+        (5, "--lora 5 is not text"),  # a baseline's recorded inputs
     ],
 )
 def test_bad_lora_text_is_one_clear_error(text, match):

@@ -42,6 +42,8 @@ def parse_lora(text: str) -> LoraSettings:
     """``"r=16,alpha=32,targets=q_proj,v_proj"`` -> ``LoraSettings``; raises
     ``YafsdpError`` naming what is wrong. A part without ``=`` continues the
     ``targets`` list, so module names are separated by commas as everywhere else."""
+    if not isinstance(text, str):  # a baseline's recorded inputs are a file's
+        raise YafsdpError(f"--lora {shown(text)} is not text; {_LORA_SYNTAX}")
     fields: dict[str, str] = {}
     targets: list[str] = []
     last = None

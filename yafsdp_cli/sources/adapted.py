@@ -16,13 +16,13 @@ shapes, dtypes and forward are peft's. The meta build is made under
 says and only then moves it beside its base layer: a spec of any rank costs no
 memory. The meta build is also where the rank is checked against the layers peft
 targets (a rank above min(in_features, out_features) of every one adds nothing a
-layer can learn; refusing it bounds a real build's LoRA matrices by the widest layer
-adapted) and an adapter folder's weights against the shapes peft gives them, before
-any real build. The module is peft's ``LoraModel.model``: the base module with LoRA
-layers in place, under the base's own names
-(``model.layers.0.self_attn.q_proj.base_layer.weight``); a ``PeftModel`` wrapper adds
-no tensors. Base weights keep their stored dtypes (the spec's); peft keeps the
-adapter in float32.
+layer can learn; refusing it bounds each LoRA matrix of a real build by its layer's
+side times the widest adapted layer's smaller side) and an adapter folder's weights
+against the shapes peft gives them, before any real build. The module is peft's
+``LoraModel.model``: the base module with LoRA layers in place, under the base's own
+names (``model.layers.0.self_attn.q_proj.base_layer.weight``); a ``PeftModel``
+wrapper adds no tensors. Base weights keep their stored dtypes (the spec's); peft
+keeps the adapter in float32.
 
 ``--quantize`` (QLoRA's base) puts ``engine.packed_linear.PackedLinear`` where
 bitsandbytes' layers would be, in every frozen linear layer but the output head: it
@@ -293,7 +293,8 @@ def inject_lora(module, lora, weights=None, where: str = "the LoRA adapter"):
 def _check_ranks(peft, wrapped, where: str) -> None:
     """Refuse a rank above min(in_features, out_features) of every layer it adapts:
     such a rank adds nothing any layer can learn, and refusing it bounds each LoRA
-    matrix of a real build by the widest layer adapted."""
+    matrix of a real build by its layer's side times the widest adapted layer's
+    smaller side."""
     layers = []
     for name, m in wrapped.base_model.model.named_modules():
         if isinstance(m, peft.tuners.lora.LoraLayer):
