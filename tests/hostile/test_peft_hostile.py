@@ -102,6 +102,14 @@ def test_the_generated_adapter_is_good(tmp_path):
         assert len(lora) == 8 and all(bool((p == 0.5).all()) for p in lora.values())
 
 
+def test_convert_of_an_adapter_folder_says_to_convert_its_base(tmp_path):
+    base(tmp_path)
+    src = write_adapter(tmp_path)
+    line = refused(tmp_path, ["convert", src, "-o", tmp_path / "o.safetensors"])
+    assert f"error: {src}: 'model.layers.0.self_attn.q_proj.base_layer.weight' is a LoRA" in line
+    assert line.endswith(f"convert its base ({src / '..' / 'base'})"), line
+
+
 def test_an_adapter_without_target_modules_adapts_peft_s_defaults(tmp_path):
     """``target_modules: null``: peft picks the architecture's own (q_proj and v_proj
     for a Llama), which the report names."""

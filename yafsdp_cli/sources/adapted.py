@@ -74,6 +74,18 @@ class AdaptedModel(LoadedModel):
     quantized: tuple[str, ...] = ()  # the linear layers packed
     tuning_notes: tuple[str, ...] = ()  # what trains, what is estimated (in spec.notes too)
 
+    def stored_name(self, record) -> str:
+        """As the base stores ``record``; a LoRA model's own tensors (the adapter's, and
+        the base layers peft renamed ``base_layer``) are stored by no file under those
+        names, so what copies a source's stored bytes (convert) is told to take the base."""
+        if self.lora is not None and any("lora_" in n or ".base_layer." in n for n in record.names):
+            raise SourceError(
+                f"{self.spec.source}: {shown(record.name)} is a LoRA model's tensor, held "
+                "by no stored file under that name, so no flat checkpoint is written from "
+                f"it; convert its base ({self.base.spec.source})"
+            )
+        return super().stored_name(record)
+
     def build_module(self):
         """The real base with the adapter (the folder's weights where there are) and the
         frozen parameters marked."""
