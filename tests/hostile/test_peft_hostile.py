@@ -151,11 +151,11 @@ from yafsdp_cli.sources.adapted import adapt
 from yafsdp_cli.options import StepOptions
 
 loaded = load_source(None, model=sys.argv[1])
-# the address space this process may grow by from here: 64 MiB, a quarter of one
-# LoRA matrix; peft making the matrices on the CPU first would fail to allocate
+# the address space this process may grow by from here: 128 MiB, half of one LoRA
+# matrix; peft making the matrices on the CPU first would fail to allocate
 with open("/proc/self/statm") as f:
     used = int(f.read().split()[0]) * resource.getpagesize()
-resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (used + 128 * 2**20, resource.RLIM_INFINITY))
 model = adapt(loaded, StepOptions(lora="r=8192,targets=proj"))
 lora = {n: p for n, p in model.module.named_parameters() if "lora_" in n}
 assert sorted(lora) == ["proj.lora_A.default.weight", "proj.lora_B.default.weight"], lora
@@ -164,6 +164,7 @@ print("meta", sum(p.numel() for p in model.module.parameters()))
 """
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
 def test_lora_of_a_plan_is_built_on_the_meta_device(tmp_path):
     factory = tmp_path / "wide.py"
     factory.write_text(
