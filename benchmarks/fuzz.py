@@ -1,6 +1,6 @@
 """Fuzzing the readers that face hostile files: safetensors headers, index files, flat
-checkpoints (their layout metadata included), DCP ``.metadata`` pickles and GPU
-profiles.
+checkpoints (their layout metadata included), DCP ``.metadata`` pickles, GPU profiles
+and PEFT adapter configs (with peft and transformers installed).
 
 Each target starts from a valid file, mutates it (bytes: flips, interesting values,
 cuts, repeats; JSON: a value replaced by a hostile one), and hands it to the reader.
@@ -15,6 +15,7 @@ with the input that caused it so that it can become a test.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import shutil
@@ -287,9 +288,78 @@ class GpuProfileTarget(Target):
                 raise ValueError(f"accepted a figure that is not finite and positive: {value}")
 
 
+class PeftTarget(Target):
+    """``adapter_config.json`` of a LoRA adapter over a config-only tiny Llama, loaded
+    as a source: the checks of the config, then peft building the adapter on the
+    meta device and the weights' shapes checked against it."""
+
+    name = "peft"
+
+    def __init__(self, work: Path):
+        super().__init__(work)
+        import transformers
+        from safetensors.torch import save_file
+        from torch import zeros
+
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            architectures=["LlamaForCausalLM"],
+        ).save_pretrained(work / "base")
+        self.folder = work / "adapter"
+        self.folder.mkdir()
+        tensors = {}
+        for i in range(2):
+            for proj, out in (("q_proj", 32), ("v_proj", 16)):
+                key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+                tensors[f"{key}.lora_A.weight"] = zeros(4, 32)
+                tensors[f"{key}.lora_B.weight"] = zeros(out, 4)
+        save_file(tensors, str(self.folder / "adapter_model.safetensors"))
+        doc = {
+            "peft_type": "LORA",
+            "base_model_name_or_path": "../base",
+            "r": 4,
+            "lora_alpha": 8,
+            "lora_dropout": 0.0,
+            "target_modules": ["q_proj", "v_proj"],
+            "rank_pattern": {"q_proj": 4},
+            "alpha_pattern": {},
+            "bias": "none",
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "init_lora_weights": True,
+            "use_rslora": False,
+            "use_dora": False,
+            "task_type": "CAUSAL_LM",
+        }
+        self.seed = _dumps(doc)
+        self.run(self.seed)  # transformers and peft imported before the clock starts
+
+    def mutant(self, rng: random.Random) -> bytes:
+        if rng.random() < 0.2:
+            return mutate_bytes(self.seed, rng)
+        return _dumps(mutate_json(json.loads(self.seed), rng))
+
+    def run(self, data: bytes) -> None:
+        import warnings
+
+        from yafsdp_cli.sources import load_source
+
+        (self.folder / "adapter_config.json").write_bytes(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's advice on odd configs
+            load_source(self.folder)
+
+
 TARGETS: dict[str, type[Target]] = {
     t.name: t for t in (SafetensorsTarget, IndexTarget, FlatTarget, DcpTarget, GpuProfileTarget)
 }
+if all(importlib.util.find_spec(m) for m in ("peft", "transformers")):  # the peft extra
+    TARGETS[PeftTarget.name] = PeftTarget
 
 
 def fuzz(

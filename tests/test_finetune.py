@@ -74,11 +74,12 @@ def test_lora_text_parses():
         ("r=16,alpha=32", "names no targets"),
         ("", "has no rank"),
         ("alpha=32,targets=q_proj", "no rank"),
-        ("r=x,targets=q_proj", "r='x' is not a number"),
-        ("r=0,targets=q_proj", "r must be at least 1"),
+        ("r=x,targets=q_proj", "r=.x. is not a whole number"),
+        ("r=0,targets=q_proj", "r=0 must be at least 1"),
         ("r=4,beta=2,targets=q_proj", "cannot read 'beta=2'"),
         ("r=4,targets=", "names no targets"),
         ("r=4,q_proj", "cannot read 'q_proj'"),
+        (5, "--lora 5 is not text"),  # a baseline's recorded inputs
     ],
 )
 def test_bad_lora_text_is_one_clear_error(text, match):
@@ -235,7 +236,7 @@ def test_without_peft_lora_names_the_extra(llama, monkeypatch):
 def test_lora_target_that_is_absent_is_one_line(llama):
     result = runner.invoke(app, ["profile", str(llama), "--fake", "--lora", "r=4,targets=nope"])
     assert result.exit_code == 2, result.output
-    assert "--lora: " in result.output and "nope" in result.output
+    assert "--lora 'r=4,targets=nope': " in result.output and "nope" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 

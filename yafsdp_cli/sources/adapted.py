@@ -11,11 +11,18 @@ dtype and trainable).
 
 The adapter is built by peft itself, on the meta device for the spec and the fake
 step and on the real base for a real step (seeded, so two builds agree), so its
-shapes, dtypes and forward are peft's. The module is peft's ``LoraModel.model``: the
-base module with LoRA layers in place, under the base's own names
-(``model.layers.0.self_attn.q_proj.base_layer.weight``); a ``PeftModel`` wrapper adds
-no tensors. Base weights keep their stored dtypes (the spec's); peft keeps the
-adapter in float32.
+shapes, dtypes and forward are peft's. The meta build is made under
+``torch.device("meta")``, since peft makes each LoRA matrix where the device context
+says and only then moves it beside its base layer: a spec of any rank costs no
+memory. The meta build is also where the rank is checked against the layers peft
+targets (a rank above min(in_features, out_features) of every one adds nothing a
+layer can learn; refusing it bounds each LoRA matrix of a real build by its layer's
+side times the widest adapted layer's smaller side) and an adapter folder's weights
+against the shapes peft gives them, before any real build. The module is peft's
+``LoraModel.model``: the base module with LoRA layers in place, under the base's own
+names (``model.layers.0.self_attn.q_proj.base_layer.weight``); a ``PeftModel``
+wrapper adds no tensors. Base weights keep their stored dtypes (the spec's); peft
+keeps the adapter in float32.
 
 ``--quantize`` (QLoRA's base) puts ``engine.packed_linear.PackedLinear`` where
 bitsandbytes' layers would be, in every frozen linear layer but the output head: it
@@ -26,13 +33,16 @@ estimated.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.filters import describe, parse_filter
+from ..engine.finetune import excerpt, shown
 from ..engine.records import ModelSpec
 from ..errors import FilterError, SourceError, YafsdpError
 from .loaded import LoadedModel
@@ -58,11 +68,23 @@ class AdaptedModel(LoadedModel):
     base: Any = None  # the LoadedModel it adapts
     lora: Any = None  # peft.LoraConfig
     lora_text: str | None = None  # --lora as given; None: from an adapter folder or none
-    adapter_state: Any = None  # callable -> the adapter folder's weights (a state dict)
+    adapter_state: Any = None  # the adapter folder's weights: peft_folder.AdapterWeights
     freeze: tuple[str, ...] = ()
     quantize: str | None = None  # engine.packed.KINDS
     quantized: tuple[str, ...] = ()  # the linear layers packed
     tuning_notes: tuple[str, ...] = ()  # what trains, what is estimated (in spec.notes too)
+
+    def stored_name(self, record) -> str:
+        """As the base stores ``record``; a LoRA model's own tensors (the adapter's, and
+        the base layers peft renamed ``base_layer``) are stored by no file under those
+        names, so what copies a source's stored bytes (convert) is told to take the base."""
+        if self.lora is not None and any("lora_" in n or ".base_layer." in n for n in record.names):
+            raise SourceError(
+                f"{self.spec.source}: {shown(record.name)} is a LoRA model's tensor, held "
+                "by no stored file under that name, so no flat checkpoint is written from "
+                f"it; convert its base ({self.base.spec.source})"
+            )
+        return super().stored_name(record)
 
     def build_module(self):
         """The real base with the adapter (the folder's weights where there are) and the
@@ -74,8 +96,8 @@ class AdaptedModel(LoadedModel):
             )
         module = self.base.build_module()
         if self.lora is not None:
-            state = self.adapter_state() if self.adapter_state is not None else None
-            module = inject_lora(module, self.lora, state)
+            where = lora_source(self.lora_text, self.adapter_state)
+            module = inject_lora(module, self.lora, self.adapter_state, where)
         mark_frozen(module, self.spec)
         return module
 
@@ -139,10 +161,10 @@ def adapted(
             "a Hugging Face folder with config.json or --model package.module:factory"
         )
     quantized: tuple[str, ...] = ()
-    if module is not None:
-        module = copy.deepcopy(module)  # marked frozen below: the source's stays as loaded
+    if module is not None:  # marked frozen below: the source's stays as loaded
+        module = meta_copy(module) if lora is not None else copy.deepcopy(module)
     if module is not None and lora is not None:
-        module = inject_lora(module, lora, None)
+        module = inject_lora(module, lora, adapter_state, lora_source(lora_text, adapter_state))
     spec = _spec(base, module, freeze)
     if module is not None:
         mark_frozen(module, spec)
@@ -179,6 +201,9 @@ def _tuning_notes(spec, lora, quantize, quantized) -> tuple[str, ...]:
     ]
     if lora is not None:
         targets = lora.target_modules
+        if targets is None:  # peft's defaults for the architecture: the layers it adapted
+            adapted = (t.name.partition(".lora_A.")[0] for t in params if ".lora_A." in t.name)
+            targets = {name.rpartition(".")[2] for name in adapted}
         targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
         notes.append(
             f"LoRA by peft: r={lora.r}, alpha={lora.lora_alpha} on {targets}; "
@@ -210,28 +235,123 @@ def _quantize(module, kind: str) -> tuple[str, ...]:
     return tuple(done)
 
 
-def inject_lora(module, lora, state):
-    """``module`` with peft's LoRA layers (``state``: adapter weights to load, as
-    peft saves them), its other parameters frozen; peft's ``LoraModel.model``."""
+def lora_source(lora_text: str | None, weights) -> str:
+    """Where an adapter's settings come from, as a message names it."""
+    if lora_text is not None:
+        return f"--lora {shown(lora_text)}"
+    return str(weights.config) if weights is not None else "the LoRA adapter"
+
+
+def meta_copy(module):
+    """A copy of ``module`` on the meta device: the spec's, which holds no memory. A
+    meta module is deep-copied as it is; a real one (a pickled module) has its
+    tensors replaced by meta ones of the same shapes, ties kept, without copying
+    their data first."""
+    import torch
+
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.is_meta for t in tensors):
+        return copy.deepcopy(module)
+    memo: dict[int, Any] = {}
+    for t in tensors:
+        empty = torch.empty_like(t, device="meta")
+        if isinstance(t, torch.nn.Parameter):
+            empty = torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+        memo[id(t)] = empty
+    return copy.deepcopy(module, memo)
+
+
+def inject_lora(module, lora, weights=None, where: str = "the LoRA adapter"):
+    """``module`` with peft's LoRA layers, its other parameters frozen; peft's
+    ``LoraModel.model``. On a meta ``module`` the LoRA layers are made on the meta
+    device and their ranks checked; ``weights`` (an adapter folder's
+    ``AdapterWeights``) are checked by shape there and loaded into a real one.
+    ``where`` names the settings in messages."""
     import torch
 
     peft = import_peft()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    meta = all(p.is_meta for p in module.parameters())
+    device = torch.device("meta") if meta else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), device:
         # peft asks transformers a deprecated question (is_gradient_checkpointing):
         # the user's output should carry the figures, not that
         warnings.simplefilter("ignore", FutureWarning)
+        # nor that an adapter folder's relative base path was made absolute
+        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
         torch.manual_seed(ADAPTER_SEED)
         try:
             wrapped = peft.get_peft_model(module, copy.deepcopy(lora))
-        except ValueError as exc:  # peft: target modules not found
-            first = str(exc).strip().splitlines()[0]
-            raise YafsdpError(f"--lora: {first}") from None
-    if state is not None:
-        result = peft.set_peft_model_state_dict(wrapped, state)
-        missing = [k for k in getattr(result, "unexpected_keys", ()) if "lora_" in k]
-        if missing:
-            raise SourceError(f"the adapter's weights do not fit the base: {missing[0]}")
+        except (ValueError, TypeError, re.error) as exc:  # peft: no target found, bad config
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise YafsdpError(f"{where}: {excerpt(first)}") from None
+        except Exception as exc:
+            if weights is None:  # --lora, checked already: not the user's to fix
+                raise
+            # an adapter folder's config is a file's: whatever peft cannot build from it
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise SourceError(
+                f"{where}: peft cannot build this adapter ({type(exc).__name__}: {excerpt(first)})"
+            ) from None
+    if meta:
+        _check_ranks(peft, wrapped, where)
+    if weights is not None:
+        state = weights.shapes() if meta else weights.load()
+        _check_shapes(peft, wrapped, state, weights)
+        if not meta:
+            _load_adapter(peft, wrapped, state, weights)
     return wrapped.base_model.model
+
+
+def _check_ranks(peft, wrapped, where: str) -> None:
+    """Refuse a rank above min(in_features, out_features) of every layer it adapts:
+    such a rank adds nothing any layer can learn, and refusing it bounds each LoRA
+    matrix of a real build by its layer's side times the widest adapted layer's
+    smaller side."""
+    layers = []
+    for name, m in wrapped.base_model.model.named_modules():
+        if isinstance(m, peft.tuners.lora.LoraLayer):
+            sides = (getattr(m, "in_features", None), getattr(m, "out_features", None))
+            if all(isinstance(n, int) for n in sides) and m.r:
+                layers.append((min(sides), name, sides, max(m.r.values())))
+    if not layers:
+        return
+    widest = max(layers, key=lambda layer: layer[0])  # the first of the widest
+    side, wname, (n_in, n_out), _ = widest
+    for _, _, _, rank in layers:
+        if rank > side:
+            raise YafsdpError(
+                f"{where}: r={rank} is above min(in_features, out_features) of every layer "
+                f"it adapts (at most {side}: {wname} is {n_in} x {n_out}); such a rank adds "
+                "nothing a layer can learn"
+            )
+
+
+def _check_shapes(peft, wrapped, state, weights) -> None:
+    """Each tensor of the adapter's file against the shape peft gives it here (its
+    layer's features, the config's r), named as peft saves them."""
+    expected = peft.get_peft_model_state_dict(wrapped, save_embedding_layers=False)
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            raise SourceError(
+                f"{weights.path}: {shown(name)} has shape {list(tensor.shape)}, but the base "
+                f"and {weights.config.name} make it {list(want.shape)}"
+            )
+
+
+def _load_adapter(peft, wrapped, state, weights) -> None:
+    try:
+        result = peft.set_peft_model_state_dict(wrapped, state)
+    except RuntimeError as exc:  # a shape the check above could not match by name
+        first = (str(exc).strip().splitlines() or [""])[-1].strip()
+        raise SourceError(
+            f"{weights.path}: the adapter's weights do not fit the base ({excerpt(first)})"
+        ) from None
+    missing = [k for k in getattr(result, "unexpected_keys", ()) if "lora_" in k]
+    if missing:
+        raise SourceError(
+            f"{weights.path}: the adapter's weights do not fit the base: {shown(missing[0])}"
+        )
 
 
 def _spec(base: LoadedModel, module, freeze: tuple[str, ...]) -> ModelSpec:

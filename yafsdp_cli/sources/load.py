@@ -44,7 +44,9 @@ def _load_folder(path: Path, trust_pickle: bool) -> LoadedModel:
     for name in (CONFIG, *WEIGHTS, "config.json"):
         require_inside(path, path / name)
     if is_adapter_folder(path):
-        return load_adapter_folder(path, lambda base: _load_path(base, trust_pickle))
+        return load_adapter_folder(
+            path, lambda base: _load_path(base, trust_pickle), trust_pickle=trust_pickle
+        )
     if (path / "config.json").is_file():
         from .hf import load_hf_folder
 
