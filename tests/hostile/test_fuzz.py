@@ -59,3 +59,26 @@ def test_lone_surrogate_in_a_flat_checkpoint_header(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     with pytest.raises(YafsdpError, match="invalid Unicode escape \\(a lone surrogate\\)"):
         open_flat(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "spelt"),
+    [(b"state_dict_metadata", b"state_dict_metadaua"), (b"properties", b"troperties")],
+)
+def test_a_dcp_record_without_a_field(tmp_path, field, spelt):
+    """Found by the dcp target: ``AttributeError: 'TensorStorageMetadata' object has
+    no attribute 'properties'`` when a field's name was garbled."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from yafsdp_cli.sources.dcp_meta import read_dcp_metadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2, 3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    path = tmp_path / ".metadata"
+    path.write_bytes(path.read_bytes().replace(field, spelt, 1))
+    with pytest.raises(YafsdpError, match=f"without its '{field.decode()}' field; the metadata"):
+        read_dcp_metadata(tmp_path)

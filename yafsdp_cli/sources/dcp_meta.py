@@ -34,7 +34,7 @@ from typing import Any
 from ..engine import dtypes
 from ..errors import SourceError, YafsdpError, cut, excerpt, printable
 from ..fileio import read_capped, require_file, require_inside
-from .dcp_pickle import MetadataUnpickler, StorageMeta, is_a
+from .dcp_pickle import MetadataUnpickler, MissingFieldError, StorageMeta, is_a
 from .pickle_guard import PickleShapeError, check_pickle
 
 METADATA_NAME = ".metadata"
@@ -113,7 +113,10 @@ class DcpMetadata:
 def read_dcp_metadata(folder: Path) -> DcpMetadata:
     """``folder``'s ``.metadata``, safely unpickled and checked (see the module note)."""
     raw = _unpickle(folder / METADATA_NAME)
-    tensors, non_tensors, sizes = _check(folder, raw)
+    try:
+        tensors, non_tensors, sizes = _check(folder, raw)
+    except MissingFieldError as exc:
+        raise SourceError(f"{folder / METADATA_NAME}: {exc}; the metadata is damaged") from None
     if getattr(raw, "storage_meta", None) is None:  # as torch's own reader does
         raw.storage_meta = StorageMeta()
     return DcpMetadata(

@@ -32,12 +32,22 @@ _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 
 
+class MissingFieldError(AttributeError):
+    """A record of the metadata lacks a field torch's class always has (an
+    ``AttributeError``, so that ``getattr(record, name, default)`` still works)."""
+
+
 class _Record:
     """A dataclass of torch's, as its pickle state: attributes from ``BUILD``'s dict,
     class attributes as the defaults of fields a pickle leaves out."""
 
     def __init__(self, **fields: Any):
         self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):  # only for a name neither set nor defaulted
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingFieldError(f"a {type(self).__name__} record without its {name!r} field")
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and other.__dict__ == self.__dict__
