@@ -122,3 +122,37 @@ def test_a_pickled_value_in_a_distcp_file_is_checked_too():
 
     with pytest.raises(PickleShapeError, match="nested more than 64 deep"):
         load_pickle(_nested_key(1000))
+
+
+def _pt_with_pickle(path: Path, pickled: bytes) -> Path:
+    """A ``torch.save`` zip archive whose data.pkl is replaced by ``pickled``."""
+    import zipfile
+
+    base = path.with_suffix(".base.pt")
+    torch.save({"a": torch.ones(2)}, base)
+    with zipfile.ZipFile(base) as z, zipfile.ZipFile(path, "w") as out:
+        for name in z.namelist():
+            out.writestr(name, pickled if name.endswith("data.pkl") else z.read(name))
+    return path
+
+
+@pytest.mark.parametrize("name", ["memo-index", "nested-key", "shared-key"])
+def test_a_pt_file_whose_pickle_would_crash_torch_is_refused(tmp_path, name):
+    """torch.load(weights_only=True) stores dict keys as it goes: a 200,000-deep tuple
+    key is a segmentation fault there too, so the check runs first, in process."""
+    from yafsdp_cli.errors import SourceError
+    from yafsdp_cli.sources.torch_file import load_torch_file
+
+    path = _pt_with_pickle(tmp_path / "m.pt", HOSTILE_METADATA[name])
+    with pytest.raises(SourceError, match=r"m\.pt: not a readable torch file \((memo|a tuple)"):
+        load_torch_file(path, trust_pickle=True)
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_real_pt_file_of_either_format_passes(tmp_path, zipped):
+    from yafsdp_cli.sources.torch_file import load_torch_file
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3, "key": (1, (2, 3))}
+    torch.save(state, tmp_path / "m.pt", _use_new_zipfile_serialization=zipped)
+    loaded, _ = load_torch_file(tmp_path / "m.pt", trust_pickle=False)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["key"] == (1, (2, 3))

@@ -21,6 +21,7 @@ per byte of the pickle, is refused.
 
 from __future__ import annotations
 
+import io
 import pickletools
 
 MAX_TUPLE_DEPTH = 64
@@ -61,11 +62,13 @@ class PickleShapeError(ValueError):
     """The pickle cannot be what a ``pickle.Pickler`` wrote; the message says why."""
 
 
-def check_pickle(data: bytes) -> int:
-    """The number of opcodes in ``data``, one pickle; ``PickleShapeError`` for a
-    truncated pickle, a length past its end, a memo index out of order, or a tuple
-    too deep or too large (counted with repeats) for the pickle's size."""
-    limit = TUPLE_ITEMS_PER_BYTE * len(data) + 1024
+def check_pickle(data: bytes | io.BytesIO, size: int | None = None) -> int:
+    """The number of opcodes in ``data``, one pickle (from a stream: the next one, the
+    stream left after its STOP); ``PickleShapeError`` for a truncated pickle, a length
+    past its end, a memo index out of order, or a tuple too deep or too large (counted
+    with repeats) for ``size``, the bytes it came in (default: ``len(data)``)."""
+    size = len(data) if size is None else size
+    limit = TUPLE_ITEMS_PER_BYTE * size + 1024
     stack: list[tuple[int, int] | None] = []
     memo: dict[int, tuple[int, int] | None] = {}
     count = 0

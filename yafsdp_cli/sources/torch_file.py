@@ -20,11 +20,16 @@ import torch
 from torch import nn
 
 from ..engine import dtypes
-from ..errors import SourceError
+from ..errors import SourceError, cut
 from ..fileio import read_json
 from .loaded import cwd_importable
+from .pickle_guard import PickleShapeError, check_pickle
 from .shards import shard_names, shard_path
 
+# data.pkl holds names and shapes, about 200 bytes a tensor: 256 MB is a million
+# tensors. The legacy format opens with five pickles before its tensor bytes.
+MAX_PICKLE_BYTES = 256 * 1024 * 1024
+_LEGACY_PICKLES = 5
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "weights")
 _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.", "builtins.", "_codecs.", "numpy.")
 
@@ -38,6 +43,7 @@ def load_torch_file(path: Path, *, trust_pickle: bool) -> tuple[object, list[str
             f"{path}: not a torch file (neither a zip archive nor a pickle); "
             "give a file written by torch.save"
         )
+    _check_opcodes(path)
     try:
         return _load(path, weights_only=True), []
     except pickle.UnpicklingError as exc:
@@ -80,6 +86,36 @@ def _load(path: Path, *, weights_only: bool):
         raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
     except (EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
         raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
+
+
+def _check_opcodes(path: Path) -> None:
+    """Refuse a file whose pickles would crash or exhaust any unpickler, torch's
+    included (``pickle_guard``): every ``.pkl`` member of a zip archive; of the legacy
+    format, the pickles it starts with (magic number, protocol, system, the object,
+    its storage keys), which come before the tensor bytes."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    if not info.filename.endswith(".pkl"):
+                        continue
+                    if info.file_size > MAX_PICKLE_BYTES:
+                        raise PickleShapeError(
+                            f"{info.filename} of {info.file_size} bytes, over the "
+                            f"{MAX_PICKLE_BYTES} a pickle of tensors ever needs"
+                        )
+                    check_pickle(z.read(info))
+            return
+        head = _pickle_bytes(path)
+        stream = io.BytesIO(head)
+        for _ in range(_LEGACY_PICKLES):
+            if stream.tell() >= len(head):
+                break
+            check_pickle(stream, len(head))
+    except PickleShapeError as exc:
+        raise SourceError(f"{path}: not a readable torch file ({cut(str(exc))})") from None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise SourceError(f"{path}: not a readable torch file ({cut(_first_line(exc))})") from None
 
 
 def _first_line(exc: BaseException) -> str:
