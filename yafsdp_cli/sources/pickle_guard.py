@@ -27,10 +27,13 @@ import pickletools
 MAX_TUPLE_DEPTH = 64
 TUPLE_ITEMS_PER_BYTE = 4  # an item costs a pickle at least one opcode, unless shared
 
-_OPEN = None  # a MARK on the stand-in stack
-_LEAF = (1, 0)  # (items counted with repeats, tuple depth) of anything but a tuple
-# What each opcode does to the stand-in stack, by kind: the memo ones, the tuple
-# builders (how many items, -1: back to the MARK), and every other one as
+# A stand-in stack item is one int: the items of a tuple counted with repeats, times
+# 128, plus its depth (at most MAX_TUPLE_DEPTH < 128); anything else is a leaf. MARKs
+# are kept apart, as positions in the stack, as the C unpickler keeps them.
+_DEPTH_BITS = 7
+_LEAF = 1 << _DEPTH_BITS
+# What each opcode does to the stand-in stack, by kind: the memo ones, MARK, the
+# tuple builders (how many items, -1: back to the MARK), and every other one as
 # (takes a slice back to a MARK, items it pops besides, items it pushes).
 _PUT, _MEMOIZE, _GET, _MARK_OP, _TUPLE, _OTHER = range(6)
 _TUPLE_N = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "TUPLE": -1}
@@ -51,11 +54,10 @@ def _action(op) -> tuple:
     before = op.stack_before
     mark = pickletools.markobject in before
     pops = before.index(pickletools.markobject) if mark else len(before)
-    return (_OTHER, mark, pops, len(op.stack_after))
+    return (_OTHER, mark, pops, [_LEAF] * len(op.stack_after))
 
 
 _ACTIONS = {op: _action(op) for op in pickletools.opcodes}
-_LEAVES = [(_LEAF,) * n for n in range(4)]
 
 
 class PickleShapeError(ValueError):
@@ -69,8 +71,9 @@ def check_pickle(data: bytes | io.BytesIO, size: int | None = None) -> int:
     with repeats) for ``size``, the bytes it came in (default: ``len(data)``)."""
     size = len(data) if size is None else size
     limit = TUPLE_ITEMS_PER_BYTE * size + 1024
-    stack: list[tuple[int, int] | None] = []
-    memo: dict[int, tuple[int, int] | None] = {}
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[int, int] = {}
     count = 0
     actions = _ACTIONS
     try:
@@ -80,10 +83,10 @@ def check_pickle(data: bytes | io.BytesIO, size: int | None = None) -> int:
             kind = act[0]
             if kind == _OTHER:
                 if act[1]:
-                    _pop_to_mark(stack)
+                    del stack[_mark(stack, marks) :]
                 if act[2]:
-                    _pop(stack, act[2])
-                stack.extend(_LEAVES[act[3]])
+                    _pop(stack, marks, act[2])
+                stack += act[3]
             elif kind == _PUT:
                 if not isinstance(arg, int) or not 0 <= arg <= len(memo):
                     raise PickleShapeError(f"memo index {arg} after {len(memo)} entries")
@@ -95,11 +98,13 @@ def check_pickle(data: bytes | io.BytesIO, size: int | None = None) -> int:
                     raise PickleShapeError(f"memo index {arg} read, of {len(memo)} entries")
                 stack.append(memo[arg])
             elif kind == _MARK_OP:
-                stack.append(_OPEN)
+                marks.append(len(stack))
             else:
                 n = act[1]
-                parts = _pop_to_mark(stack) if n < 0 else _pop(stack, n)
-                stack.append(_tuple_of(parts, limit))
+                at = _mark(stack, marks) if n < 0 else len(stack) - n
+                if n > 0:
+                    _pop(stack, marks, 0, n)
+                stack[at:] = [_tuple_of(stack[at:], limit)]
     except PickleShapeError:
         raise
     except (ValueError, IndexError) as exc:  # genops: a length past the end, a bad opcode
@@ -107,9 +112,9 @@ def check_pickle(data: bytes | io.BytesIO, size: int | None = None) -> int:
     return count
 
 
-def _tuple_of(parts: list, limit: int) -> tuple[int, int]:
-    items = 1 + sum(p[0] for p in parts)
-    depth = 1 + max((p[1] for p in parts), default=0)
+def _tuple_of(parts: list[int], limit: int) -> int:
+    items = 1 + sum(p >> _DEPTH_BITS for p in parts)
+    depth = 1 + max((p & (_LEAF - 1) for p in parts), default=0)
     if depth > MAX_TUPLE_DEPTH:
         raise PickleShapeError(f"a tuple nested more than {MAX_TUPLE_DEPTH} deep")
     if items > limit:
@@ -117,23 +122,20 @@ def _tuple_of(parts: list, limit: int) -> tuple[int, int]:
             f"a tuple of over {limit} items counted with repeats (one tuple referenced "
             "over and over), far more than its pickle's size warrants"
         )
-    return items, depth
+    return items << _DEPTH_BITS | depth
 
 
-def _pop(stack: list, n: int) -> list:
-    if n > len(stack):
+def _pop(stack: list[int], marks: list[int], n: int, keep: int = 0) -> None:
+    """Take ``n`` items off (or, with ``keep``, only check that ``keep`` are there
+    above the last MARK), as the C unpickler does: never through a MARK."""
+    floor = marks[-1] if marks else 0
+    if len(stack) - (n or keep) < floor:
         raise PickleShapeError("an opcode takes more items than the pickle pushed")
-    parts = stack[-n:] if n else []
-    del stack[len(stack) - n :]
-    if _OPEN in parts:
-        raise PickleShapeError("an opcode takes a MARK as an item")
-    return parts
+    if n:
+        del stack[len(stack) - n :]
 
 
-def _pop_to_mark(stack: list) -> list:
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is _OPEN:
-            parts = stack[i + 1 :]
-            del stack[i:]
-            return parts
-    raise PickleShapeError("an opcode closes a MARK that was never opened")
+def _mark(stack: list[int], marks: list[int]) -> int:
+    if not marks:
+        raise PickleShapeError("an opcode closes a MARK that was never opened")
+    return marks.pop()
