@@ -154,7 +154,7 @@ def _unpickle(path: Path, *, real_torch: bool = False):
         check_pickle(raw)
     except PickleShapeError as exc:
         raise SourceError(
-            f"{path}: not a torch.distributed.checkpoint metadata file ({cut(str(exc))})"
+            f"{path}: not a readable torch.distributed.checkpoint metadata file ({cut(str(exc))})"
         ) from None
     try:
         return MetadataUnpickler(io.BytesIO(raw), path, real_torch=real_torch).load()
