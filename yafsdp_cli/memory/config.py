@@ -17,6 +17,7 @@ from ..engine import dtypes
 from ..engine.choices import check_optimizer
 from ..engine.layout import Layout, round_up
 from ..options import MemoryOptions, StepOptions, check_at_least
+from ..options.numbers import MAX_ROUND_BYTES
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
@@ -34,7 +35,7 @@ class MemoryConfig:
         check_optimizer(self.optimizer)
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
-        check_at_least("round-bytes", self.round_bytes)
+        check_at_least("round-bytes", self.round_bytes, maximum=MAX_ROUND_BYTES)
 
     def master_for(self, dtype: str) -> bool:
         if dtype == "float32" or not dtypes.is_floating(dtype):
