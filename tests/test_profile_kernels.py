@@ -250,7 +250,7 @@ def test_cuda_target_recomputes_checkpointed_units_with_cuda_kernels(mode):
     [
         (["--target", "tpu", "--fake"], "--target 'tpu' is not cpu or cuda"),
         (["--checkpointing", "some"], "is not one of none|reentrant|non-reentrant"),
-        # the bound in our words (``options.numbers``), whatever Typer's version
+        # the bound in our words (``numbers``), whatever Typer's version
         (["--modules", "-1"], r"--modules.*must be 0 or more, got -1"),
     ],
 )

@@ -86,6 +86,18 @@ OPTIONS: list[OptionCase] = [
     OptionCase("plan", "--jobs", "{}", PLAN),
     OptionCase("plan", "--seed", "{}", PLAN),
     *_alloc("plan", PLAN),
+    # what a rank holds beside the allocator, from the environment
+    *(
+        OptionCase("plan", name, template, PLAN, env=name)
+        for name, template in (
+            ("NCCL_BUFFSIZE", "{}"),
+            ("NCCL_MIN_NCHANNELS", "{}"),
+            ("NCCL_MAX_NCHANNELS", "{}"),
+            ("CUBLASLT_WORKSPACE_SIZE", "{}"),
+            ("CUBLAS_WORKSPACE_CONFIG", ":{}:8"),
+            ("CUBLAS_WORKSPACE_CONFIG", ":4096:{}"),
+        )
+    ),
     # profile
     OptionCase("profile", "--batch", "{}", PROFILE),
     OptionCase("profile", "--seq-len", "{}", PROFILE),
@@ -98,6 +110,7 @@ OPTIONS: list[OptionCase] = [
     # inspect
     OptionCase("inspect", "--world-size", "{}", LLAMA),
     OptionCase("inspect", "--round-bytes", "{}", LLAMA),
+    OptionCase("inspect", "--align", "{}", LLAMA),
     # check
     OptionCase("check", "--tolerance", "{}", CHECK),
     OptionCase("check", "--step-tolerance", "{}", CHECK),
@@ -111,6 +124,7 @@ OPTIONS: list[OptionCase] = [
     OptionCase("verify", "--rtol", "{}", VERIFY),
     OptionCase("verify", "--top", "{}", VERIFY),
     OptionCase("verify", "--batch", "{}", VERIFY),
+    OptionCase("verify", "--blocks", "{}", VERIFY),
     # calibrate (the options are read before any GPU is looked for)
     OptionCase("calibrate", "--seq-len", "{}", LLAMA),
     OptionCase("calibrate", "--steps", "{}", LLAMA),

@@ -19,7 +19,7 @@ import pytest
 
 from yafsdp_cli.cli import main
 from yafsdp_cli.errors import YafsdpError
-from yafsdp_cli.options.numbers import MAX_COUNT, checked, problem, shown
+from yafsdp_cli.numbers import MAX_COUNT, checked, problem, shown
 
 from .number_cases import BAD_NUMBERS, FILES, OPTIONS, FileCase, OptionCase
 

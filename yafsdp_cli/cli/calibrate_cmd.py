@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..options.numbers import MAX_SEQ_LEN
+from ..numbers import MAX_SEQ_LEN
 from .command_kit import errors_to_exit, stdout
 from .flags import (
     COUNT,

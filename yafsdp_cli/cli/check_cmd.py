@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..options.numbers import MAX_PERCENT
+from ..numbers import MAX_PERCENT
 from .command_kit import EXIT_CHECK_FAILED, errors_to_exit, stderr, stdout
 from .flags import (
     AlignOpt,

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import YafsdpError
-from ..options.numbers import (
+from ..numbers import (
     MAX_COUNT,
     MAX_ROUND_BYTES,
     MAX_SEED,
@@ -28,7 +28,7 @@ from .command_kit import stdout
 
 def number(low, high, *, whole: bool = True, above: bool = False):
     """A ``typer.Option(parser=...)`` for a number on the command line: one checked
-    the way every number is (``options.numbers``), so ``nan``, ``inf``, ``1e400``
+    the way every number is (``yafsdp_cli.numbers``), so ``nan``, ``inf``, ``1e400``
     and an integer of 400 digits are usage errors naming the option, not values."""
 
     def parse(value):

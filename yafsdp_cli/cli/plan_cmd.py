@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..options.numbers import MAX_JOBS
+from ..numbers import MAX_JOBS
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once, stderr
 from .flags import (
     AlignOpt,

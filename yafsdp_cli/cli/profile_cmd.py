@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ..options.numbers import MAX_COUNT
+from ..numbers import MAX_COUNT
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
 from .flags import (
     COUNT,

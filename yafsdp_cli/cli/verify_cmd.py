@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ..errors import YafsdpError
-from ..options.numbers import MAX_TOLERANCE
+from ..numbers import MAX_TOLERANCE
 from .command_kit import (
     EXIT_CHECK_FAILED,
     EXIT_NOT_REPRODUCIBLE,

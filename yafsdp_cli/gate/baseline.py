@@ -19,7 +19,7 @@ kind (``plan_baseline``): plan runs again and a configuration that fitted must f
 Nothing here imports torch.
 
 A baseline file is at most ``MAX_BASELINE_BYTES`` (refused before it is parsed), and
-every number in it is a finite whole number in range (``options.numbers``), refused
+every number in it is a finite whole number in range (``yafsdp_cli.numbers``), refused
 naming the file and the field: a ``NaN`` or ``1e400`` never reaches a comparison.
 """
 
@@ -37,8 +37,8 @@ from typing import Any
 from ..errors import YafsdpError
 from ..fileio import read_json
 from ..inspect.inspect_options import InspectOptions
+from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 from ..options import StepOptions
-from ..options.numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 
 SCHEMA = "yafsdp.baseline/2"
 PLAN_SCHEMA = "yafsdp.plan/1"

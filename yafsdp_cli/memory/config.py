@@ -16,8 +16,8 @@ from typing import Literal
 from ..engine import dtypes
 from ..engine.choices import check_optimizer
 from ..engine.layout import Layout, round_up
+from ..numbers import MAX_ROUND_BYTES
 from ..options import MemoryOptions, StepOptions, check_at_least
-from ..options.numbers import MAX_ROUND_BYTES
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}

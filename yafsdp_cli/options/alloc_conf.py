@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import YafsdpError
-from .numbers import MAX_BYTES, MAX_COUNT, problem, shown
+from ..numbers import MAX_BYTES, MAX_COUNT, problem, shown
 
 MIB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple

@@ -10,8 +10,7 @@ from ..engine.filters import parse_filter
 from ..engine.finetune import parse_lora
 from ..engine.packed import check_quantize
 from ..errors import YafsdpError
-from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
-from .numbers import (
+from ..numbers import (
     MAX_BYTES,
     MAX_COUNT,
     MAX_ROUND_BYTES,
@@ -21,6 +20,7 @@ from .numbers import (
     problem,
     shown,
 )
+from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
 
 GiB = 1024**3
 # The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:

@@ -13,7 +13,7 @@ finite and at most ``numbers.MAX_BYTES`` (1 EiB): ``1e400GiB`` is refused by nam
 from __future__ import annotations
 
 from ..errors import YafsdpError
-from .numbers import MAX_BYTES, shown
+from ..numbers import MAX_BYTES, shown
 
 GiB = 1024**3
 _BINARY = {

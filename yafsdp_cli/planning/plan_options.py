@@ -12,15 +12,7 @@ from ..errors import YafsdpError
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..memory.step_schemes import check_schemes
-from ..options import (
-    DEFAULT_TRAINING_DTYPE,
-    OUTSIDE_PARTS,
-    Composed,
-    LayoutOptions,
-    MemoryOptions,
-    StepOptions,
-)
-from ..options.numbers import (
+from ..numbers import (
     MAX_BYTES_PER_S,
     MAX_COUNT,
     MAX_JOBS,
@@ -29,6 +21,14 @@ from ..options.numbers import (
     from_text,
     problem,
     shown,
+)
+from ..options import (
+    DEFAULT_TRAINING_DTYPE,
+    OUTSIDE_PARTS,
+    Composed,
+    LayoutOptions,
+    MemoryOptions,
+    StepOptions,
 )
 from ..options.sizes import parse_size, si_echo
 from ..timing.gpu_specs import GIB, GPUS, MIB

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import YafsdpError
-from ..options.numbers import checked, shown
+from ..numbers import checked, shown
 from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict, read_profile_json
 from .roofline import Efficiency
 

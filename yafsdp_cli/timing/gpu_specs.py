@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import YafsdpError
 from ..fileio import read_json
-from ..options.numbers import MAX_BYTES, MAX_BYTES_PER_S, MAX_COUNT, MAX_FLOPS, checked, shown
+from ..numbers import MAX_BYTES, MAX_BYTES_PER_S, MAX_COUNT, MAX_FLOPS, checked, shown
 
 MIB, GIB = 1 << 20, 1 << 30
 TERA, GIGA = 1e12, 1e9

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import YafsdpError
+from .errors import YafsdpError
 
 MAX_BYTES = 1 << 60
 MAX_COUNT = 1 << 20
