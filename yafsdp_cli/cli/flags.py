@@ -17,7 +17,6 @@ import typer
 from ..errors import YafsdpError
 from ..numbers import (
     MAX_COUNT,
-    MAX_ROUND_BYTES,
     MAX_SEED,
     MAX_SEQ_LEN,
     from_text,
@@ -283,8 +282,7 @@ AllocConfOpt = Annotated[
 RoundBytesOpt = Annotated[
     int,
     typer.Option(
-        "--round-bytes",
-        parser=number(1, MAX_ROUND_BYTES),
+        "--round-bytes",  # checked by the memory piece, as a baseline's is
         help="Allocator rounding of every tensor, in bytes (512: CUDA; 1: exact storage "
         "bytes, as on the CPU).",
         metavar="BYTES",
