@@ -18,7 +18,8 @@ product of them overflows what is computed with them (int64 tensor sizes, floats
   tokens, and 2**44 tokens times a hidden size of 2**16 in float32 fit in int64;
 - ``MAX_FLOPS``, 1e18 FLOP/s (a GPU of 2025 does about 1e15 dense bf16), and
   ``MAX_BYTES_PER_S``, 1e15 bytes/s (HBM3e: about 5e12): the rates of a GPU profile
-  and ``--network``;
+  and ``--network``; at least ``MIN_RATE``, a thousand per second, since a time is
+  a count divided by a rate and ``1e-300`` would make it infinite;
 - ``MAX_TOKENS``, 1e18: tokens to train on (about 1e14 for the largest runs).
 """
 
@@ -33,6 +34,8 @@ MAX_COUNT = 1 << 20
 MAX_SEQ_LEN = 1 << 24
 MAX_FLOPS = 1e18
 MAX_BYTES_PER_S = 1e15
+MIN_RATE = 1e3  # FLOP/s or bytes/s
+MIN_EFFICIENCY = 1e-12  # a fraction of a peak kernels reach (a calibration on a CPU: ~1e-8)
 MAX_TOKENS = 10**18
 MAX_SEED = 2**63 - 1  # what torch.manual_seed takes
 MAX_JOBS = 1024  # processes plan runs at once

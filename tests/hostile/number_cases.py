@@ -221,6 +221,13 @@ def profile_cases() -> list[FileCase]:
             out.append(
                 FileCase(f"profile-{dotted}={raw[:8]}", _writer("gpu.json", text), _plan_with, key)
             )
+    # a rate so small that a time divided by it is infinite, as --json cannot print
+    for dotted in PROFILE_FIELDS:
+        if dotted not in ("memory_bytes", "gpus_per_node", "efficiency.kernel_floor_us"):
+            text = with_raw(GPU_PROFILE, dotted, "1e-300")
+            build = _writer("gpu.json", text)
+            key = dotted.rsplit(".", 1)[-1]
+            out.append(FileCase(f"profile-{dotted}=1e-300", build, _plan_json_with, key))
     nan = with_raw(GPU_PROFILE, "bf16_tflops", "NaN")
     out += [
         FileCase("profile-nan-json", _writer("gpu.json", nan), _plan_json_with, "bf16_tflops"),

@@ -21,7 +21,9 @@ from yafsdp_cli.cli import main
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.numbers import MAX_COUNT, checked, problem, shown
 
-from .number_cases import BAD_NUMBERS, FILES, OPTIONS, FileCase, OptionCase
+from .number_cases import BAD_NUMBERS, FILES, LLAMA, OPTIONS, FileCase, OptionCase
+
+LLAMA_ARGS = ["plan", *LLAMA]
 
 
 @pytest.fixture
@@ -124,3 +126,11 @@ def test_shown_bounds_what_a_message_repeats():
     assert shown(10**5000) == "a number of about 5001 digits"  # Python refuses str() here
     assert len(shown("x" * 10_000)) == 40
     assert shown("a\x1b[31mb") == "a\\x1b[31mb"
+
+
+@pytest.mark.parametrize("rate", ["1e-300GB/s", "0.0001MB/s", "2000TB/s", "1e400GB/s"])
+def test_a_bandwidth_is_one_a_time_can_be_divided_by(cli, rate):
+    """A step's time is bytes over a rate: 1e-300 bytes/s would make it infinite,
+    which --json cannot print."""
+    line = one_error_line(*cli([*LLAMA_ARGS, "--gpu", "h100-sxm", "--network", rate, "--json"]))
+    assert "--network" in line and "a bandwidth is from 1 kB/s to 1 PB/s" in line, line

@@ -17,6 +17,7 @@ from ..numbers import (
     MAX_COUNT,
     MAX_JOBS,
     MAX_TOKENS,
+    MIN_RATE,
     checked,
     from_text,
     problem,
@@ -136,7 +137,9 @@ class PlanOptions(Composed):
         if self.tokens is not None:
             checked(self.tokens, "--tokens", 1, MAX_TOKENS, whole=True)
         if self.network is not None:
-            checked(self.network, "--network", 0, MAX_BYTES_PER_S, above=True)
+            if self.network <= 0:  # the old words for what is no bandwidth at all
+                raise YafsdpError(f"--network must be positive, got {shown(self.network)}")
+            checked(self.network, "--network (bytes/s)", MIN_RATE, MAX_BYTES_PER_S)
         if not timed:
             return
         from ..timing.gpu_profile import load_profile
@@ -251,8 +254,10 @@ def parse_rate(text: str | None, flag: str) -> float | None:
             f"{flag} {shown(text)!r} is not a bandwidth; write it like 50GB/s or 400Gbit/s"
         )
     rate = value * _RATE_UNITS[unit]
-    if not rate <= MAX_BYTES_PER_S:  # inf too: 1e400GB/s
-        raise YafsdpError(f"{flag} {shown(text)}: a bandwidth is at most 1 PB/s (1e15 bytes/s)")
+    if not MIN_RATE <= rate <= MAX_BYTES_PER_S:  # inf too: 1e400GB/s
+        raise YafsdpError(
+            f"{flag} {shown(text)}: a bandwidth is from 1 kB/s to 1 PB/s (1e15 bytes/s)"
+        )
     return rate
 
 

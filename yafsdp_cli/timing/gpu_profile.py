@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import YafsdpError
-from ..numbers import checked, shown
+from ..numbers import MIN_EFFICIENCY, checked, shown
 from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict, read_profile_json
 from .roofline import Efficiency
 
@@ -69,9 +69,12 @@ def _efficiency(doc, where: str) -> Efficiency:
             raise YafsdpError(
                 f"{where}: efficiency {key!r} must be a number, got {shown(repr(value))}"
             )
-    if "kernel_floor_us" in doc:  # the fractions: ``Efficiency`` refuses NaN and inf
-        # at most a second: no kernel launch costs more
-        checked(doc["kernel_floor_us"], f"{where}: efficiency 'kernel_floor_us'", 0, 1e6)
+        if key == "kernel_floor_us":  # at most a second: no kernel launch costs more
+            checked(value, f"{where}: efficiency {key!r}", 0, 1e6)
+        elif 0 < value < MIN_EFFICIENCY:  # above 1, NaN and inf: ``Efficiency`` says so
+            raise YafsdpError(
+                f"{where}: efficiency {key!r} must be at least {MIN_EFFICIENCY:g}, got {value!r}"
+            )
     given = {k: v for k, v in doc.items() if k != "kernel_floor_us"}
     if "kernel_floor_us" in doc:
         given["kernel_floor_s"] = doc["kernel_floor_us"] * 1e-6

@@ -30,7 +30,15 @@ from pathlib import Path
 
 from ..errors import YafsdpError
 from ..fileio import read_json
-from ..numbers import MAX_BYTES, MAX_BYTES_PER_S, MAX_COUNT, MAX_FLOPS, checked, shown
+from ..numbers import (
+    MAX_BYTES,
+    MAX_BYTES_PER_S,
+    MAX_COUNT,
+    MAX_FLOPS,
+    MIN_RATE,
+    checked,
+    shown,
+)
 
 MIB, GIB = 1 << 20, 1 << 30
 TERA, GIGA = 1e12, 1e9
@@ -118,17 +126,17 @@ FIELDS = {
     "gpus_per_node": int,
 }
 OPTIONAL = {"fp8_tflops": 0, "source": "user profile"}
-# each number's range, as ``numbers.checked`` takes it: (low, high, above low only);
-# the rates in the file's units (TFLOP/s, GB/s) up to ``numbers.MAX_FLOPS`` and
+# each number's range, as ``numbers.checked`` takes it: the rates in the file's units
+# (TFLOP/s, GB/s) from ``numbers.MIN_RATE`` to ``numbers.MAX_FLOPS`` and
 # ``numbers.MAX_BYTES_PER_S``
 BOUNDS = {
-    "memory_bytes": (1, MAX_BYTES, False),
-    "bf16_tflops": (0, MAX_FLOPS / TERA, True),
-    "fp8_tflops": (0, MAX_FLOPS / TERA, False),  # 0: no fp8 units
-    "fp32_tflops": (0, MAX_FLOPS / TERA, True),
-    "hbm_gbps": (0, MAX_BYTES_PER_S / GIGA, True),
-    "link_gbps": (0, MAX_BYTES_PER_S / GIGA, True),
-    "gpus_per_node": (1, MAX_COUNT, False),
+    "memory_bytes": (1, MAX_BYTES),
+    "bf16_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),
+    "fp8_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),  # or 0: no fp8 units
+    "fp32_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),
+    "hbm_gbps": (MIN_RATE / GIGA, MAX_BYTES_PER_S / GIGA),
+    "link_gbps": (MIN_RATE / GIGA, MAX_BYTES_PER_S / GIGA),
+    "gpus_per_node": (1, MAX_COUNT),
 }
 
 
@@ -177,8 +185,12 @@ def _check_field(doc: dict, key: str, kind, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, kind):
         want = "an integer" if kind is int else "a number"
         raise YafsdpError(f"{where}: {key!r} must be {want}, got {shown(repr(value))}")
-    low, high, above = BOUNDS[key]
-    checked(value, f"{where}: {key!r}", low, high, whole=kind is int, above=above)
+    low, high = BOUNDS[key]
+    if key == "fp8_tflops" and value == 0:
+        return
+    if value == 0 or (isinstance(value, int | float) and value < 0):
+        raise YafsdpError(f"{where}: {key!r} must be positive, got {shown(repr(value))}")
+    checked(value, f"{where}: {key!r}", low, high, whole=kind is int)
 
 
 def resolve_gpu(name_or_path: str) -> GpuSpec:
