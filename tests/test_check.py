@@ -85,7 +85,7 @@ def test_options_override_the_recorded_inputs(baseline):
     ("content", "message"),
     [
         (None, "no baseline at"),
-        ("{not json", "is not valid JSON"),
+        ("{not json", "mem.json: not valid JSON"),
         ('{"schema": "yafsdp.profile/1"}', "expected 'yafsdp.baseline/2'"),
         ('{"schema": "yafsdp.inspect/1", "inputs": {}}', "lacks"),
         ('{"schema": "yafsdp.baseline/2", "source": {}}', "lacks"),

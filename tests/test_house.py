@@ -19,6 +19,7 @@ RANKS = {
     "errors": 0,
     "lazy": 0,
     "fileio": 1,
+    "numbers": 1,
     "engine": 2,
     "options": 3,
     "sources": 3,

@@ -153,7 +153,7 @@ def test_untimed_rows_cannot_be_chosen_by_an_objective():
         ({"gpu": "h100-sxm", "objective": "cost"}, "--objective 'cost' is not one of"),
         ({"gpu": "h100-sxm", "objective": "gpu-hours"}, "gpu-hours needs --tokens"),
         ({"gpu": "h100-sxm", "tokens": 0}, "--tokens must be at least 1"),
-        ({"gpu": "h100-sxm", "network": -1.0}, "--network must be a positive"),
+        ({"gpu": "h100-sxm", "network": -1.0}, "--network must be positive"),
         ({"gpu": "v100"}, "unknown GPU 'v100'; known: A100-40GB"),
         ({}, r"give --gpu-memory.*\(or --gpu NAME\)"),
     ],
@@ -256,9 +256,9 @@ def test_a_gpu_profile_times_the_plan(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("{", "not a JSON GPU profile"),
+        ("{", "gpu.json: not valid JSON"),
         ('{"name": "x"}', "missing field 'memory_bytes'"),
-        (None, "cannot read the GPU profile"),
+        (None, "gpu.json: cannot read"),
     ],
 )
 def test_a_bad_gpu_profile_is_one_line_exit_2(tmp_path, content, message):

@@ -68,6 +68,8 @@ def read_json(
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise error(f"{path}: not valid JSON here (an integer of thousands of digits)") from None
     except RecursionError:
         raise error(f"{path}: not valid JSON (nested too deeply)") from None
 

@@ -7,8 +7,10 @@ from typing import Annotated
 
 import typer
 
+from ..numbers import MAX_SEQ_LEN
 from .command_kit import errors_to_exit, stdout
 from .flags import (
+    COUNT,
     BatchOpt,
     CheckpointingOpt,
     GpuOpt,
@@ -19,6 +21,7 @@ from .flags import (
     SeedOpt,
     SourceArg,
     TrustPickleOpt,
+    number,
 )
 from .root import app
 
@@ -32,12 +35,22 @@ def calibrate_command(
     ] = Path("gpu-profile.json"),
     gpu: GpuOpt = None,
     batch: BatchOpt = 4,
-    seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Tokens per sample.")] = 2048,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            "--seq-len",
+            parser=number(1, MAX_SEQ_LEN),
+            metavar="INTEGER",
+            help="Tokens per sample.",
+        ),
+    ] = 2048,
     param_dtype: ParamDtypeOpt = "bf16",
     optimizer: OptimizerOpt = "adamw",
     optimizer_impl: OptimizerImplOpt = "fused",
     checkpointing: CheckpointingOpt = "none",
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Measured steps.")] = 10,
+    steps: Annotated[
+        int, typer.Option("--steps", parser=COUNT, metavar="INTEGER", help="Measured steps.")
+    ] = 10,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
     seed: SeedOpt = 0,

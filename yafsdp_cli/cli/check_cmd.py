@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..numbers import MAX_PERCENT
 from .command_kit import EXIT_CHECK_FAILED, errors_to_exit, stderr, stdout
 from .flags import (
     AlignOpt,
@@ -26,10 +27,13 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    number,
     render,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .root import app
+
+PERCENT = number(0, MAX_PERCENT, whole=False)  # a growth in percent, finite and at least 0
 
 # the options a baseline records: given, they replace the recorded ones
 GIVEN = (
@@ -67,7 +71,8 @@ def check_command(
         float | None,
         typer.Option(
             "--tolerance",
-            min=0,
+            parser=PERCENT,
+            metavar="FLOAT",
             help="Allowed growth of any figure, in percent. Default: 1 for the memory "
             "model, 0.1 for the fake step (its figures are exact).",
             show_default=False,
@@ -77,7 +82,8 @@ def check_command(
         float | None,
         typer.Option(
             "--step-tolerance",
-            min=0,
+            parser=PERCENT,
+            metavar="FLOAT",
             help="Allowed growth of the fake step's figures, in percent. Default: "
             "--tolerance if given, else 0.1.",
             show_default=False,
@@ -125,7 +131,7 @@ def check_command(
 
         plan_doc = plan_baseline(baseline)
         if plan_doc is not None:
-            _recheck_plan(plan_doc, update, trust_pickle)
+            _recheck_plan(plan_doc, update, trust_pickle, f"baseline {baseline}")
             return
         values = locals()
         given = {k: values[k] for k in GIVEN if values[k] not in (None, [])}
@@ -171,7 +177,7 @@ def _write_page(html: Path | None, result, report) -> None:
         write_html(html, check_page(result, report))
 
 
-def _recheck_plan(doc, update: bool, trust_pickle: bool) -> None:
+def _recheck_plan(doc, update: bool, trust_pickle: bool, where: str) -> None:
     """A saved plan as the baseline: plan again; exit 1 if a configuration that
     fitted no longer does."""
     from ..errors import YafsdpError
@@ -179,7 +185,7 @@ def _recheck_plan(doc, update: bool, trust_pickle: bool) -> None:
 
     if update:
         raise YafsdpError("a plan baseline is written by `yafsdp plan --json`, not --update")
-    outcome = recheck_plan(doc, trust_pickle)
+    outcome = recheck_plan(doc, trust_pickle, where)
     for line in outcome.lost:
         stdout.print(f"regression: {line}", markup=False, highlight=False)
     if not outcome.passed:

@@ -10,6 +10,7 @@ import typer
 
 from .command_kit import EXIT_CHECK_FAILED, errors_to_exit
 from .flags import (
+    COUNT,
     AlignOpt,
     ExcludeOpt,
     FilterOpt,
@@ -168,7 +169,10 @@ def restore_command(
 def reshard_command(
     flat: FlatArg,
     world_size: Annotated[
-        int, typer.Option("--world-size", "-n", min=1, help="The new number of ranks.")
+        int,
+        typer.Option(
+            "--world-size", "-n", parser=COUNT, metavar="INTEGER", help="The new number of ranks."
+        ),
     ],
     output: OutputOpt,
     sharded: ShardedOpt = False,

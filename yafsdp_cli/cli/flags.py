@@ -15,7 +15,34 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import YafsdpError
+from ..numbers import (
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    from_text,
+    problem,
+)
 from .command_kit import stdout
+
+
+def number(low, high, *, whole: bool = True, above: bool = False):
+    """A ``typer.Option(parser=...)`` for a number on the command line: one checked
+    the way every number is (``yafsdp_cli.numbers``), so ``nan``, ``inf``, ``1e400``
+    and an integer of 400 digits are usage errors naming the option, not values."""
+
+    def parse(value):
+        got = from_text(value, whole=whole) if isinstance(value, str) else value
+        typed = value if isinstance(value, str) else None
+        wrong = problem(got, low, high, whole=whole, above=above, typed=typed)
+        if wrong is not None:
+            raise typer.BadParameter(wrong)
+        return int(got) if whole else float(got)
+
+    parse.__name__ = "integer" if whole else "float"  # what --help shows as its type
+    return parse
+
+
+COUNT = number(1, MAX_COUNT)  # ranks, samples, steps, rows: 1 to 2**20
 
 FilterOpt = Annotated[
     list[str] | None,
@@ -43,7 +70,10 @@ UnitOpt = Annotated[
     ),
 ]
 WorldSizeOpt = Annotated[
-    int, typer.Option("--world-size", "-n", min=1, help="Number of ranks to shard for.")
+    int,
+    typer.Option(
+        "--world-size", "-n", parser=COUNT, metavar="INTEGER", help="Number of ranks to shard for."
+    ),
 ]
 AlignOpt = Annotated[
     str,
@@ -103,10 +133,20 @@ OptimizerImplOpt = Annotated[
         help="auto | for-loop | foreach | fused (auto: torch's default for the device).",
     ),
 ]
-BatchOpt = Annotated[int, typer.Option("--batch", min=1, help="Batch size of each micro-batch.")]
+BatchOpt = Annotated[
+    int,
+    typer.Option(
+        "--batch", parser=COUNT, metavar="INTEGER", help="Batch size of each micro-batch."
+    ),
+]
 SeqLenOpt = Annotated[
     int | None,
-    typer.Option("--seq-len", min=1, help="Tokens per sample (LMs; plan: the model's own)."),
+    typer.Option(
+        "--seq-len",
+        parser=number(1, MAX_SEQ_LEN),
+        metavar="INTEGER",
+        help="Tokens per sample (LMs; plan: the model's own).",
+    ),
 ]
 InputShapeOpt = Annotated[
     str | None,
@@ -116,7 +156,15 @@ InputShapeOpt = Annotated[
         metavar="D,D,...",
     ),
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the inputs and the loss.")]
+SeedOpt = Annotated[
+    int,
+    typer.Option(
+        "--seed",
+        parser=number(0, MAX_SEED),
+        metavar="INTEGER",
+        help="Seed of the inputs and the loss.",
+    ),
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda.")]
 TargetOpt = Annotated[
     str | None,
@@ -234,7 +282,7 @@ AllocConfOpt = Annotated[
 RoundBytesOpt = Annotated[
     int,
     typer.Option(
-        "--round-bytes",
+        "--round-bytes",  # checked by the memory piece, as a baseline's is
         help="Allocator rounding of every tensor, in bytes (512: CUDA; 1: exact storage "
         "bytes, as on the CPU).",
         metavar="BYTES",

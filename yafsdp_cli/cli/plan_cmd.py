@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..numbers import MAX_JOBS
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once, stderr
 from .flags import (
     AlignOpt,
@@ -35,6 +36,7 @@ from .flags import (
     TargetOpt,
     TrustPickleOpt,
     UnitOpt,
+    number,
     options_from,
     render,
 )
@@ -79,6 +81,8 @@ def plan_command(
         typer.Option(
             "--jobs",
             "-j",
+            parser=number(1, MAX_JOBS),
+            metavar="INTEGER",
             help="Fake runs at once, a process each (default: as the cores and memory "
             "allow); any N gives the same plan.",
         ),

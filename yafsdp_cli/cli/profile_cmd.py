@@ -6,8 +6,10 @@ from typing import Annotated
 
 import typer
 
+from ..numbers import MAX_COUNT
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
 from .flags import (
+    COUNT,
     AlignOpt,
     AllocConfOpt,
     BatchOpt,
@@ -34,6 +36,7 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    number,
     options_from,
     render,
 )
@@ -69,7 +72,8 @@ def profile_command(
         int,
         typer.Option(
             "--modules",
-            min=0,
+            parser=number(0, MAX_COUNT),
+            metavar="INTEGER",
             help="Break the peak's activations down by the modules that made them: top N.",
         ),
     ] = 0,
@@ -83,7 +87,12 @@ def profile_command(
     ] = False,
     depth: Annotated[
         int,
-        typer.Option("--depth", min=1, help="Per-module rows: names with at most DEPTH parts."),
+        typer.Option(
+            "--depth",
+            parser=COUNT,
+            metavar="INTEGER",
+            help="Per-module rows: names with at most DEPTH parts.",
+        ),
     ] = 3,
     alloc_conf: AllocConfOpt = None,
     json_out: JsonOpt = False,

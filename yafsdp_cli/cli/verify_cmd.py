@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from ..errors import YafsdpError
+from ..numbers import MAX_TOLERANCE
 from .command_kit import (
     EXIT_CHECK_FAILED,
     EXIT_NOT_REPRODUCIBLE,
@@ -16,6 +17,7 @@ from .command_kit import (
     stderr,
 )
 from .flags import (
+    COUNT,
     AlignOpt,
     BatchOpt,
     CheckpointingOpt,
@@ -33,6 +35,7 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    number,
     options_from,
     render,
 )
@@ -59,11 +62,16 @@ def verify_command(
     source: SourceArg = None,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 3,
+    steps: Annotated[
+        int, typer.Option("--steps", parser=COUNT, metavar="INTEGER", help="Optimizer steps.")
+    ] = 3,
     micro_batches: Annotated[
         int,
         typer.Option(
-            "--micro-batches", min=1, help="Accumulated micro-batches per step (and rank)."
+            "--micro-batches",
+            parser=COUNT,
+            metavar="INTEGER",
+            help="Accumulated micro-batches per step (and rank).",
         ),
     ] = 2,
     optimizer: OptimizerOpt = "adamw",
@@ -74,18 +82,30 @@ def verify_command(
     align: AlignOpt = "yafsdp",
     atol: Annotated[
         float | None,
-        typer.Option("--atol", help="Absolute tolerance, every dtype (default: exact on CPU)."),
+        typer.Option(
+            "--atol",
+            parser=number(0, MAX_TOLERANCE, whole=False),
+            metavar="FLOAT",
+            help="Absolute tolerance, every dtype (default: exact on CPU).",
+        ),
     ] = None,
     rtol: Annotated[
         float | None,
-        typer.Option("--rtol", help="Relative tolerance, every dtype (default: exact on CPU)."),
+        typer.Option(
+            "--rtol",
+            parser=number(0, MAX_TOLERANCE, whole=False),
+            metavar="FLOAT",
+            help="Relative tolerance, every dtype (default: exact on CPU).",
+        ),
     ] = None,
     batch: BatchOpt = 2,
     seq_len: SeqLenOpt = 16,
     input_shape: InputShapeOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
-    top: Annotated[int, typer.Option("--top", min=1, help="Worst tensors to list.")] = 10,
+    top: Annotated[
+        int, typer.Option("--top", parser=COUNT, metavar="INTEGER", help="Worst tensors to list.")
+    ] = 10,
     checkpointing: CheckpointingOpt = "none",
     compile_: CompileOpt = False,
     blocks: BlocksOpt = None,

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import LayoutError, YafsdpError
+from ..numbers import MAX_ROUND_BYTES, shown
 from . import dtypes
 from .records import ModelSpec, TensorRecord
 from .units import ROOT
@@ -82,10 +83,15 @@ def parse_align(text: str) -> AlignSpec:
     """``"yafsdp"``, ``"fsdp"``, ``"megatron"``, ``"none"`` or a byte count (``"128"``)."""
     if text in ALIGN_PRESETS:
         return ALIGN_PRESETS[text]
-    if text.isdigit() and int(text) > 0:
+    # a byte count is at most what an allocator rounds to (1 GiB); a long one is not
+    # converted (Python refuses more than 4300 digits)
+    if text.isdigit() and len(text) < 20 and 1 <= int(text) <= MAX_ROUND_BYTES:
         return AlignSpec(text, start_bytes=int(text))
     presets = "|".join(ALIGN_PRESETS)
-    raise YafsdpError(f"--align {text!r} is not {presets} or a positive number of bytes")
+    raise YafsdpError(
+        f"--align {shown(text)!r} is not {presets} or a number of bytes from 1 to "
+        f"{MAX_ROUND_BYTES:,}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,10 @@ baseline: its memory figures are checked and the step is reported as skipped. A
 saved ``yafsdp plan --json`` document (``yafsdp.plan/1``) is a baseline of another
 kind (``plan_baseline``): plan runs again and a configuration that fitted must fit.
 Nothing here imports torch.
+
+A baseline file is at most ``MAX_BASELINE_BYTES`` (refused before it is parsed), and
+every number in it is a finite whole number in range (``yafsdp_cli.numbers``), refused
+naming the file and the field: a ``NaN`` or ``1e400`` never reaches a comparison.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import YafsdpError
+from ..fileio import read_json
 from ..inspect.inspect_options import InspectOptions
+from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 from ..options import StepOptions
 
 SCHEMA = "yafsdp.baseline/2"
@@ -39,6 +45,8 @@ PLAN_SCHEMA = "yafsdp.plan/1"
 LEGACY_SCHEMA = "yafsdp.inspect/1"
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "buffers")
 PHASES = ("forward", "backward", "optimizer")
+# a baseline is KBs; a saved plan with every scheme and a wide grid, a few hundred KB
+MAX_BASELINE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +204,8 @@ def plan_baseline(path: Path) -> dict[str, Any] | None:
     """The ``yafsdp.plan/1`` document at ``path``, checked; ``None`` if the file is
     missing or holds anything else (``load_baseline`` then says what is wrong)."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = read_json(path, error=YafsdpError, cap=MAX_BASELINE_BYTES)
+    except YafsdpError:
         return None
     if not isinstance(doc, dict) or doc.get("schema") != PLAN_SCHEMA:
         return None
@@ -212,61 +220,86 @@ def load_baseline(path: Path) -> Baseline:
         hint = f"yafsdp check SOURCE --baseline {path} --update"
         raise YafsdpError(f"no baseline at {path}; create one with: {hint}")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise YafsdpError(f"baseline {path} is not valid JSON ({exc})") from None
+        doc = read_json(path, error=YafsdpError, cap=MAX_BASELINE_BYTES)
+    except YafsdpError as exc:
+        raise YafsdpError(f"baseline {exc}") from None
     schema = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
     if schema not in (SCHEMA, LEGACY_SCHEMA):
         raise YafsdpError(
             f"baseline {path} has schema {schema!r}, expected {SCHEMA!r} (or the older "
             f"{LEGACY_SCHEMA!r}); write one with --update"
         )
+    where = f"baseline {path}:"
     try:
-        return _parse(doc) if schema == SCHEMA else _parse_legacy(doc)
+        baseline = _parse(doc, where) if schema == SCHEMA else _parse_legacy(doc, where)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise YafsdpError(f"baseline {path} lacks {exc}; regenerate it with --update") from None
+    try:  # the recorded options, checked as the command line's are
+        recorded_options(baseline.inputs, {})
+    except YafsdpError as exc:
+        raise YafsdpError(f"{where} recorded options: {exc}") from None
+    return baseline
 
 
-def _parse(doc: dict) -> Baseline:
+def _whole(value, where: str, field: str, high: int = MAX_BYTES) -> int:
+    """A figure of the file: a whole number from 0 to ``high``, else an error naming
+    the file and the field."""
+    return checked(
+        value, f"{where}{field}" if where.endswith(".") else f"{where} {field}", 0, high, whole=True
+    )
+
+
+def _parse(doc: dict, where: str) -> Baseline:
     step = doc["step"]
     return Baseline(
         source=SourceRef(**doc["source"]),
         inputs=dict(doc["inputs"]),
-        memory=_ints(MemoryFigures, doc["memory"]),
-        step=_parse_step(step) if step is not None else None,
+        memory=_ints(MemoryFigures, doc["memory"], where, "memory"),
+        step=_parse_step(step, where) if step is not None else None,
         skipped=tuple(str(s) for s in doc.get("skipped", ())),
     )
 
 
-def _parse_step(doc: dict) -> StepFigures:
-    peak = {c: int(doc["peak"][c]) for c in CATEGORIES}
-    phases = {p: int(v) for p, v in dict(doc["phase_peaks"]).items() if p in PHASES}
+def _parse_step(doc: dict, where: str = "baseline:") -> StepFigures:
+    peak = {c: _whole(doc["peak"][c], where, f"step.peak.{c}") for c in CATEGORIES}
+    phases = {
+        p: _whole(v, where, f"step.phase_peaks.{p}")
+        for p, v in dict(doc["phase_peaks"]).items()
+        if p in PHASES
+    }
     inputs = doc["inputs"]
+    reserved = doc.get("reserved_peak")
     return StepFigures(
         inputs=StepInputs(
-            batch=int(inputs["batch"]),
-            seq_len=int(inputs["seq_len"]),
+            batch=_whole(inputs["batch"], where, "step.inputs.batch", MAX_COUNT),
+            seq_len=_whole(inputs["seq_len"], where, "step.inputs.seq_len", MAX_SEQ_LEN),
             checkpointing=str(inputs["checkpointing"]),
-            world_size=int(inputs["world_size"]),
+            world_size=_whole(inputs["world_size"], where, "step.inputs.world_size", MAX_COUNT),
             optimizer=str(inputs["optimizer"]),
         ),
         batch=str(doc["batch"]),
         peak=peak,
-        peak_total=int(doc["peak_total"]),
+        peak_total=_whole(doc["peak_total"], where, "step.peak_total"),
         peak_phase=str(doc["peak_phase"]),
         phase_peaks=phases,
         modules=tuple(
-            ModuleSaved(str(m["pattern"]), int(m["count"]), int(m["saved"])) for m in doc["modules"]
+            ModuleSaved(
+                str(m["pattern"]),
+                _whole(m["count"], where, "step.modules.count"),
+                _whole(m["saved"], where, "step.modules.saved"),
+            )
+            for m in doc["modules"]
         ),
-        reserved_peak=None if doc.get("reserved_peak") is None else int(doc["reserved_peak"]),
+        reserved_peak=None if reserved is None else _whole(reserved, where, "step.reserved_peak"),
     )
 
 
-def _ints(cls, doc: dict):
-    return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)})
+def _ints(cls, doc: dict, where: str, part: str):
+    fields = dataclasses.fields(cls)
+    return cls(**{f.name: _whole(doc[f.name], where, f"{part}.{f.name}") for f in fields})
 
 
-def _parse_legacy(doc: dict) -> Baseline:
+def _parse_legacy(doc: dict, where: str) -> Baseline:
     """A ``yafsdp.inspect/1`` document: memory figures only."""
     inputs = dict(doc["inputs"])
     memory, params = doc["memory"], doc["params"]
@@ -285,7 +318,7 @@ def _parse_legacy(doc: dict) -> Baseline:
     return Baseline(
         source=SourceRef(source, model, str(doc.get("source_kind", ""))),
         inputs=inputs,
-        memory=_ints(MemoryFigures, figures),
+        memory=_ints(MemoryFigures, figures, where, "memory"),
         step=None,
         skipped=(f"this baseline is an older {LEGACY_SCHEMA} document with no step figures",),
         schema=LEGACY_SCHEMA,

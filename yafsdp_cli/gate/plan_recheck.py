@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import YafsdpError
 from ..planning import PlanOptions, plan_source
 from .regressions import plan_regressions
 
@@ -26,10 +27,17 @@ class PlanRecheck:
         return not self.lost
 
 
-def recheck_plan(doc: Mapping[str, Any], trust_pickle: bool) -> PlanRecheck:
-    """Plan ``doc``'s source again with its recorded options (see the module docstring)."""
+def recheck_plan(
+    doc: Mapping[str, Any], trust_pickle: bool, where: str = "the saved plan"
+) -> PlanRecheck:
+    """Plan ``doc``'s source again with its recorded options (see the module docstring);
+    options the options model refuses (a NaN, an unknown name) are an error naming
+    ``where`` (the file) before anything runs."""
     recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in doc["options"].items()}
-    opts = PlanOptions(**recorded)
+    try:
+        opts = PlanOptions(**recorded)
+    except (YafsdpError, TypeError) as exc:
+        raise YafsdpError(f"{where}: recorded options: {exc}") from None
     report = plan_source(
         doc.get("source_path"), model=doc.get("model"), trust_pickle=trust_pickle, opts=opts
     )

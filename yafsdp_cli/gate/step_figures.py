@@ -14,12 +14,12 @@ modules whose names differ only in their indices (``model.layers.*.self_attn``).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import warnings
 
 from ..memory import reserved_of
 from ..options import LayoutOptions, StepOptions
+from ..options.alloc_conf import allocator_setting
 from ..profiling import ProfileOptions, profile_model
 from .baseline import CATEGORIES, ModuleSaved, StepFigures, StepInputs
 
@@ -60,7 +60,7 @@ def measure_step(loaded, inputs: StepInputs, layout: LayoutOptions) -> StepFigur
         traces: dict = {}
         report = profile_model(loaded, opts, traces=traces)
     step = report.converted_step
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    conf = allocator_setting(None)  # the variable's, named in its errors
     return StepFigures(
         inputs=inputs,
         batch=report.inputs,

@@ -16,6 +16,7 @@ from typing import Literal
 from ..engine import dtypes
 from ..engine.choices import check_optimizer
 from ..engine.layout import Layout, round_up
+from ..numbers import MAX_ROUND_BYTES
 from ..options import MemoryOptions, StepOptions, check_at_least
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
@@ -34,7 +35,7 @@ class MemoryConfig:
         check_optimizer(self.optimizer)
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtypes.canonical(self.grad_dtype))
-        check_at_least("round-bytes", self.round_bytes)
+        check_at_least("round-bytes", self.round_bytes, maximum=MAX_ROUND_BYTES)
 
     def master_for(self, dtype: str) -> bool:
         if dtype == "float32" or not dtypes.is_floating(dtype):

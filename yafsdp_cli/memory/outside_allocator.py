@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import YafsdpError
+from ..numbers import MAX_BYTES, MAX_COUNT, problem, shown
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -168,7 +169,13 @@ def parse_cublas_config(text: str) -> int:
             "(e.g. :4096:8); fix or unset it"
         )
     pairs = re.findall(r":(\d+):(\d+)", text)
-    return sum(int(size) * KIB * int(count) for size, count in pairs)
+    total = 0
+    for size, count in pairs:  # each number bounded before the product: 1 EiB at most
+        kib = _count("CUBLAS_WORKSPACE_CONFIG", size, "KiB", MAX_BYTES // KIB)
+        total += kib * KIB * _count("CUBLAS_WORKSPACE_CONFIG", count, "workspaces", MAX_COUNT)
+    if total > MAX_BYTES:
+        raise YafsdpError(f"CUBLAS_WORKSPACE_CONFIG={shown(text)!r} asks for more than 1 EiB")
+    return total
 
 
 def cublaslt_part(env: Mapping[str, str]) -> OutsidePart:
@@ -176,7 +183,11 @@ def cublaslt_part(env: Mapping[str, str]) -> OutsidePart:
     if unified in ("1", "true", "on", "yes"):
         return OutsidePart("cuBLASLt workspaces", 0, "TORCH_CUBLASLT_UNIFIED_WORKSPACE: cuBLAS's")
     text = env.get("CUBLASLT_WORKSPACE_SIZE")
-    kib = _count("CUBLASLT_WORKSPACE_SIZE", text, "KiB") if text else CUBLASLT_DEFAULT_KIB
+    kib = (
+        _count("CUBLASLT_WORKSPACE_SIZE", text, "KiB", MAX_BYTES // KIB)
+        if text
+        else CUBLASLT_DEFAULT_KIB
+    )
     source = f"CUBLASLT_WORKSPACE_SIZE={text}" if text else "torch's default (1024 KiB)"
     return OutsidePart("cuBLASLt workspaces", kib * KIB * CUBLASLT_HANDLES, source)
 
@@ -200,17 +211,21 @@ def nccl_channels(env: Mapping[str, str]) -> int:
     high = env.get("NCCL_MAX_NCHANNELS")
     channels = NCCL_CHANNELS_DEFAULT
     if low:
-        channels = max(channels, _count("NCCL_MIN_NCHANNELS", low, "channels"))
+        channels = max(channels, _count("NCCL_MIN_NCHANNELS", low, "channels", MAX_COUNT))
     if high:
-        channels = min(channels, _count("NCCL_MAX_NCHANNELS", high, "channels"))
+        channels = min(channels, _count("NCCL_MAX_NCHANNELS", high, "channels", MAX_COUNT))
     return channels
 
 
-def _count(name: str, text: str, unit: str) -> int:
+def _count(name: str, text: str, unit: str, high: int = MAX_BYTES) -> int:
+    """A variable's whole number of ``unit``, from 0 to ``high`` (``numbers.problem``)."""
     try:
         value = int(text.strip())
-    except ValueError:
+    except ValueError:  # not digits, or more than Python converts
         value = -1
-    if value < 0:
-        raise YafsdpError(f"{name}={text!r} is not a whole number of {unit}; fix or unset it")
+    if problem(value, 0, high, whole=True) is not None:
+        raise YafsdpError(
+            f"{name}={shown(text)!r} is not a whole number of {unit} from 0 to {high:,}; "
+            "fix or unset it"
+        )
     return value

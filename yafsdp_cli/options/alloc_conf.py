@@ -11,14 +11,23 @@ that change nothing a replay can see (``backend:native``,
 ``release_lock_on_cudamalloc``, the ``pinned_*`` host-memory ones) are accepted and
 dropped, so a string copied from a real job parses. Values are checked as PyTorch
 checks them (``c10/cuda/CUDAAllocatorConfig.cpp``): ``max_split_size_mb`` above
-20, divisions powers of two, a threshold strictly between 0 and 1.
+20, divisions powers of two, a threshold strictly between 0 and 1; and, where
+PyTorch would wrap a ``size_t``, as every number is checked here
+(``numbers.checked``): sizes at most 1 EiB, divisions at most 2**20.
+
+A setting comes from ``--alloc-conf`` or, without it, the ``PYTORCH_CUDA_ALLOC_CONF``
+variable (``allocator_setting``); every error names the one it came from, since the
+variable may be set far from the command line that fails.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import YafsdpError
+from ..numbers import MAX_BYTES, MAX_COUNT, problem, shown
 
 MIB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple
@@ -43,6 +52,9 @@ _FIELD = {  # the setting's name -> AllocatorConf's field (which holds bytes, no
     "max_split_size_mb": "max_split_size",
     "max_non_split_rounding_mb": "max_non_split_rounding",
 }
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_FLAG = "--alloc-conf"
+MAX_MB = MAX_BYTES // MIB  # a size setting in MiB
 _HINT = (
     "write key:value pairs separated by commas, e.g. expandable_segments:True,max_split_size_mb:128"
 )
@@ -120,19 +132,35 @@ def _next_division(size: int, divisions: int) -> int:
     return size if below == size else below + step
 
 
-def parse_alloc_conf(text: str | None) -> AllocatorConf:
+def allocator_setting(given: str | None, env: Mapping[str, str] = os.environ) -> AllocatorConf:
+    """The settings a replay follows: ``--alloc-conf`` when ``given``, else the
+    ``PYTORCH_CUDA_ALLOC_CONF`` variable of ``env``; an error names which."""
+    if given is not None:
+        return parse_alloc_conf(given, ALLOC_CONF_FLAG)
+    return parse_alloc_conf(env.get(ALLOC_CONF_VAR), ALLOC_CONF_VAR)
+
+
+def parse_alloc_conf(text: str | None, where: str = "allocator settings") -> AllocatorConf:
     """``PYTORCH_CUDA_ALLOC_CONF`` text as an ``AllocatorConf``; empty, None or
-    ``default``: PyTorch's defaults. Raises ``YafsdpError`` (one line) on bad input."""
-    fields: dict = {}
+    ``default``: PyTorch's defaults. Raises ``YafsdpError`` (one line, starting with
+    ``where``: the option or the variable the text came from) on bad input."""
     if text is None or text.strip() in ("", "default"):
         return AllocatorConf()
+    try:
+        return _parse(text)
+    except YafsdpError as exc:
+        raise YafsdpError(f"{where} {shown(text)!r}: {exc}") from None
+
+
+def _parse(text: str) -> AllocatorConf:
+    fields: dict = {}
     for item in _split_items(text):
         key, sep, value = item.partition(":")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            raise YafsdpError(f"allocator setting {item!r} is not key:value; {_HINT}")
+            raise YafsdpError(f"setting {shown(item)!r} is not key:value; {_HINT}")
         if key in fields:
-            raise YafsdpError(f"allocator setting {key!r} is given twice in {text!r}")
+            raise YafsdpError(f"setting {shown(key)!r} is given twice")
         if key not in _IGNORED:
             fields[key] = _parse_value(key, value)
     return AllocatorConf(**_rename(fields))
@@ -147,12 +175,12 @@ def _split_items(text: str) -> list[str]:
         elif ch == "]":
             depth -= 1
             if depth < 0:
-                raise YafsdpError(f"allocator settings {text!r}: ']' without '['")
+                raise YafsdpError("']' without '['")
         elif ch == "," and depth == 0:
             items.append(text[start:i])
             start = i + 1
     if depth:
-        raise YafsdpError(f"allocator settings {text!r}: '[' without ']'")
+        raise YafsdpError("'[' without ']'")
     items.append(text[start:])
     return [s for s in (s.strip() for s in items) if s] or [text]
 
@@ -160,7 +188,7 @@ def _split_items(text: str) -> list[str]:
 def _parse_value(key: str, value: str):
     if key == "expandable_segments":
         if value not in ("True", "False"):
-            raise YafsdpError(f"expandable_segments must be True or False, got {value!r}")
+            raise YafsdpError(f"expandable_segments must be True or False, got {shown(value)!r}")
         return value == "True"
     if key == "max_split_size_mb":
         mb = _integer(key, value)
@@ -173,22 +201,26 @@ def _parse_value(key: str, value: str):
         threshold = _number(key, value)
         if not 0.0 < threshold < 1.0:
             raise YafsdpError(
-                f"garbage_collection_threshold must be between 0 and 1 (exclusive), got {value}"
+                "garbage_collection_threshold must be between 0 and 1 (exclusive), "
+                f"got {shown(value)}"
             )
         return threshold
     if key == "roundup_power2_divisions":
         return _divisions(value)
     known = ", ".join(sorted(_KEYS | _IGNORED))
-    raise YafsdpError(f"unknown allocator setting {key!r}; known: {known}")
+    raise YafsdpError(f"unknown allocator setting {shown(key)!r}; known: {known}")
 
 
-def _integer(key: str, value: str) -> int:
+def _integer(key: str, value: str, high: int = MAX_MB) -> int:
+    """A whole number from 0 to ``high`` (``numbers.problem``: NaN, infinities and
+    400-digit integers are refused)."""
     try:
         n = int(value)
-    except ValueError:
-        raise YafsdpError(f"{key} must be a whole number, got {value!r}") from None
-    if n < 0:
-        raise YafsdpError(f"{key} must not be negative, got {n}")
+    except ValueError:  # not digits, or more digits than Python converts
+        raise YafsdpError(f"{key} must be a whole number, got {shown(value)!r}") from None
+    wrong = problem(n, 0, high, whole=True)
+    if wrong is not None:
+        raise YafsdpError(f"{key} {wrong}")
     return n
 
 
@@ -196,11 +228,11 @@ def _number(key: str, value: str) -> float:
     try:
         return float(value)
     except ValueError:
-        raise YafsdpError(f"{key} must be a number, got {value!r}") from None
+        raise YafsdpError(f"{key} must be a number, got {shown(value)!r}") from None
 
 
-def _power_of_two(key: str, value: str) -> int:
-    n = _integer(key, value)
+def _power_of_two(key: str, value: str, high: int = MAX_COUNT) -> int:
+    n = _integer(key, value, high)
     if n == 0 or n & (n - 1):
         raise YafsdpError(f"{key}: {n} is not a power of two")
     return n
@@ -212,19 +244,20 @@ def _divisions(value: str) -> tuple[int, ...]:
     if not value.startswith("["):
         return (_power_of_two(key, value),) * ROUNDUP_INTERVALS
     if not value.endswith("]"):
-        raise YafsdpError(f"{key} {value!r}: a list ends with ']'")
+        raise YafsdpError(f"{key} {shown(value)!r}: a list ends with ']'")
     out = [0] * ROUNDUP_INTERVALS
     last = None
     for pair in filter(None, (p.strip() for p in value[1:-1].split(","))):
         size, sep, divs = pair.partition(":")
         if not sep:
-            raise YafsdpError(f"{key} entry {pair!r} is not size_mb:divisions")
+            raise YafsdpError(f"{key} entry {shown(pair)!r} is not size_mb:divisions")
         n = _power_of_two(key, divs.strip())
         if size.strip() == ">":
             start = 0 if last is None else last + 1
             out[start:] = [n] * (ROUNDUP_INTERVALS - start)
             continue
-        index = min(_power_of_two(key, size.strip()).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        index = _power_of_two(key, size.strip(), MAX_MB).bit_length() - 1
+        index = min(index, ROUNDUP_INTERVALS - 1)
         start = 0 if last is None else last + 1
         out[start : index + 1] = [n] * (index + 1 - start)
         last = index

@@ -10,7 +10,17 @@ from ..engine.filters import parse_filter
 from ..engine.finetune import parse_lora
 from ..engine.packed import check_quantize
 from ..errors import YafsdpError
-from .alloc_conf import parse_alloc_conf
+from ..numbers import (
+    MAX_BYTES,
+    MAX_COUNT,
+    MAX_ROUND_BYTES,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    checked,
+    problem,
+    shown,
+)
+from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
 
 GiB = 1024**3
 # The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:
@@ -23,11 +33,14 @@ DEFAULT_MARGIN = 0.03
 OUTSIDE_PARTS = ("context", "cublas", "cublaslt", "nccl")
 
 
-def check_at_least(flag: str, value: int | None, minimum: int = 1) -> None:
-    """``--flag`` is ``None`` (the default choice) or at least ``minimum``."""
-    if value is not None and value < minimum:
-        bound = "at least 1" if minimum == 1 else f"{minimum} or more"
-        raise YafsdpError(f"--{flag} must be {bound}, got {value}")
+def check_at_least(
+    flag: str, value: int | None, minimum: int = 1, maximum: int = MAX_COUNT
+) -> None:
+    """``--flag`` is ``None`` (the default choice) or a whole number from ``minimum``
+    to ``maximum`` (``numbers.checked``: NaN, infinities and 400-digit integers are
+    refused by name)."""
+    if value is not None:
+        checked(value, f"--{flag}", minimum, maximum, whole=True)
 
 
 def check_training_dtypes(param_dtype: str | None, grad_dtype: str | None) -> None:
@@ -88,9 +101,19 @@ class StepOptions:
         check_quantize(self.quantize)
         check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
         check_at_least("batch", self.batch)
-        check_at_least("seq-len", self.seq_len)
-        if self.input_shape is not None and (not self.input_shape or min(self.input_shape) < 1):
-            raise YafsdpError(f"--input-shape {self.input_shape} is not positive integers")
+        check_at_least("seq-len", self.seq_len, maximum=MAX_SEQ_LEN)
+        checked(self.seed, "--seed", 0, MAX_SEED, whole=True)
+        if self.input_shape is not None:
+            if not self.input_shape:
+                raise YafsdpError("--input-shape is empty; give positive integers like 2,3,32,32")
+            elements = 1
+            for size in self.input_shape:
+                elements *= checked(size, "--input-shape", 1, MAX_SEQ_LEN, whole=True)
+            if elements > MAX_COUNT * MAX_SEQ_LEN:  # as many as the largest batch of tokens
+                raise YafsdpError(
+                    f"--input-shape {self.input_shape} holds {elements:,} elements, more "
+                    f"than {MAX_COUNT * MAX_SEQ_LEN:,}"
+                )
         check_device("--device", self.device)
         if self.target is not None:
             check_device("--target", self.target)
@@ -125,6 +148,13 @@ class MemoryOptions:
     alloc_conf: str | None = None  # the allocator replay's settings; None: PYTORCH_CUDA_ALLOC_CONF
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--gpu-memory", self.gpu_memory),
+            ("--reserve", self.reserve),
+            ("--margin", self.margin),
+        ):
+            if value is not None:
+                checked(value, f"{flag} (bytes)", 0, MAX_BYTES, whole=True)
         if self.gpu_memory is not None:
             if self.gpu_memory <= 0:
                 raise YafsdpError(f"--gpu-memory must be positive, got {self.gpu_memory} bytes")
@@ -134,17 +164,17 @@ class MemoryOptions:
                         f"{flag} {value} bytes must be at least 0 and below --gpu-memory "
                         f"({self.gpu_memory} bytes)"
                     )
-        object.__setattr__(self, "outside", tuple((str(k), int(v)) for k, v in self.outside))
         for part, value in self.outside:
-            if part not in OUTSIDE_PARTS or value < 0:
+            if part not in OUTSIDE_PARTS or problem(value, 0, MAX_BYTES, whole=True):
                 raise YafsdpError(
-                    f"--outside {part}={value}: give bytes of at least 0 for any of "
-                    f"{', '.join(OUTSIDE_PARTS)}"
+                    f"--outside {shown(part)}={shown(value)}: give bytes of at least 0 "
+                    f"(at most 1 EiB) for any of {', '.join(OUTSIDE_PARTS)}"
                 )
-        check_at_least("round-bytes", self.round_bytes)
+        object.__setattr__(self, "outside", tuple((str(k), int(v)) for k, v in self.outside))
+        check_at_least("round-bytes", self.round_bytes, maximum=MAX_ROUND_BYTES)
         check_placement(self.fsdp_placement)
         if self.alloc_conf is not None:
-            parse_alloc_conf(self.alloc_conf)  # a bad setting fails before any step runs
+            parse_alloc_conf(self.alloc_conf, ALLOC_CONF_FLAG)  # fails before any step runs
 
     @property
     def margin_bytes(self) -> int:

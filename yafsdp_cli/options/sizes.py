@@ -6,12 +6,14 @@ bytes turns a GPU into 80 bytes. Zero is the one number that needs none. KiB..Ti
 KB..TB are SI, powers of 1000, which is what GPU vendors print on the box but not
 what ``nvidia-smi`` or ``torch.cuda.mem_get_info`` report: ``80GB`` is 74.51 GiB.
 So a size given in SI units is accepted and echoed with its GiB value
-(``si_echo``), since a figure 7% off silently turns a fit into an OOM.
+(``si_echo``), since a figure 7% off silently turns a fit into an OOM. A size is
+finite and at most ``numbers.MAX_BYTES`` (1 EiB): ``1e400GiB`` is refused by name.
 """
 
 from __future__ import annotations
 
 from ..errors import YafsdpError
+from ..numbers import MAX_BYTES, shown
 
 GiB = 1024**3
 _BINARY = {
@@ -49,11 +51,16 @@ def parse_size(text: str, flag: str) -> int:
         value = -1.0
     if value == 0 and not unit:
         return 0
-    if value >= 0 and not unit:
-        raise YafsdpError(f"{flag} {text}: a size needs a unit, e.g. {number}GiB")
-    if unit not in _UNITS or value < 0:
-        raise YafsdpError(f"{flag} {text!r} is not a size; write it like 80GiB, 2GiB or 512MiB")
-    return int(value * _UNITS[unit])
+    if 0 <= value <= MAX_BYTES and not unit:
+        raise YafsdpError(f"{flag} {shown(text)}: a size needs a unit, e.g. {number}GiB")
+    if unit not in _UNITS or not value >= 0:
+        raise YafsdpError(
+            f"{flag} {shown(text)!r} is not a size; write it like 80GiB, 2GiB or 512MiB"
+        )
+    size = value * _UNITS[unit]
+    if not size <= MAX_BYTES:  # inf too: 1e400GiB
+        raise YafsdpError(f"{flag} {shown(text)}: a size is at most 1 EiB (1024**6 bytes)")
+    return int(size)
 
 
 def is_si(text: str) -> bool:

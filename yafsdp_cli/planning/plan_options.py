@@ -12,6 +12,17 @@ from ..errors import YafsdpError
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..memory.step_schemes import check_schemes
+from ..numbers import (
+    MAX_BYTES_PER_S,
+    MAX_COUNT,
+    MAX_JOBS,
+    MAX_TOKENS,
+    MIN_RATE,
+    checked,
+    from_text,
+    problem,
+    shown,
+)
 from ..options import (
     DEFAULT_TRAINING_DTYPE,
     OUTSIDE_PARTS,
@@ -19,7 +30,6 @@ from ..options import (
     LayoutOptions,
     MemoryOptions,
     StepOptions,
-    check_at_least,
 )
 from ..options.sizes import parse_size, si_echo
 from ..timing.gpu_specs import GIB, GPUS, MIB
@@ -98,13 +108,16 @@ class PlanOptions(Composed):
                 "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
             )
         for flag, values in (("world-size", self.world_sizes), ("micro-batch", self.micro_batches)):
-            if values is not None and (not values or min(values) < 1):
-                raise YafsdpError(f"--{flag} needs numbers of at least 1, got {values}")
+            if values is not None and not values:
+                raise YafsdpError(f"--{flag} needs numbers of at least 1, got none")
+            for value in values or ():
+                checked(value, f"--{flag}", 1, MAX_COUNT, whole=True)
         if not self.checkpointing:
             raise YafsdpError("--checkpointing needs at least one of none|reentrant|non-reentrant")
         for mode in self.checkpointing:
             check_checkpointing(mode)
-        check_at_least("jobs", self.jobs)
+        if self.jobs is not None:
+            checked(self.jobs, "--jobs", 1, MAX_JOBS, whole=True)
         object.__setattr__(self, "schemes", check_schemes(self.schemes))
         if self.step.param_dtype is not None:  # the report names it in full
             step = dataclasses.replace(self.step, param_dtype=dtypes.canonical(self.param_dtype))
@@ -121,9 +134,12 @@ class PlanOptions(Composed):
                 raise YafsdpError(
                     f"--{flag} needs the GPU the steps run on: --gpu or --gpu-profile"
                 )
-        check_at_least("tokens", self.tokens)
-        if self.network is not None and not self.network > 0:
-            raise YafsdpError(f"--network must be a positive bandwidth, got {self.network}")
+        if self.tokens is not None:
+            checked(self.tokens, "--tokens", 1, MAX_TOKENS, whole=True)
+        if self.network is not None:
+            if self.network <= 0:  # the old words for what is no bandwidth at all
+                raise YafsdpError(f"--network must be positive, got {shown(self.network)}")
+            checked(self.network, "--network (bytes/s)", MIN_RATE, MAX_BYTES_PER_S)
         if not timed:
             return
         from ..timing.gpu_profile import load_profile
@@ -173,13 +189,12 @@ def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     """``"1,2,4"`` -> ``(1, 2, 4)``; None stays None."""
     if text is None:
         return None
-    try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
+    values = [from_text(v, whole=True) for v in text.replace(" ", "").split(",") if v]
+    wrong = [w for w in (problem(v, 1, MAX_COUNT, whole=True) for v in values) if w]
+    if not values or wrong:
+        why = f" ({wrong[0]})" if wrong else ""
         raise YafsdpError(
-            f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,2,4"
+            f"{flag} {shown(text)!r}: give positive integers separated by commas, e.g. 1,2,4{why}"
         )
     return tuple(dict.fromkeys(values))
 
@@ -212,7 +227,9 @@ def parse_margin(text: str | None, gpu_memory: int) -> int | None:
     except ValueError:
         share = -1.0
     if not 0 <= share < 100:
-        raise YafsdpError(f"--margin {text!r}: a share is a number from 0 to 100 with %, e.g. 3%")
+        raise YafsdpError(
+            f"--margin {shown(text)!r}: a share is a number from 0 to 100 with %, e.g. 3%"
+        )
     return round(share / 100 * gpu_memory)
 
 
@@ -233,8 +250,15 @@ def parse_rate(text: str | None, flag: str) -> float | None:
     except ValueError:
         value = -1.0
     if unit not in _RATE_UNITS or not value > 0:
-        raise YafsdpError(f"{flag} {text!r} is not a bandwidth; write it like 50GB/s or 400Gbit/s")
-    return value * _RATE_UNITS[unit]
+        raise YafsdpError(
+            f"{flag} {shown(text)!r} is not a bandwidth; write it like 50GB/s or 400Gbit/s"
+        )
+    rate = value * _RATE_UNITS[unit]
+    if not MIN_RATE <= rate <= MAX_BYTES_PER_S:  # inf too: 1e400GB/s
+        raise YafsdpError(
+            f"{flag} {shown(text)}: a bandwidth is from 1 kB/s to 1 PB/s (1e15 bytes/s)"
+        )
+    return rate
 
 
 def parse_count(text: str | None, flag: str) -> int | None:
@@ -248,5 +272,7 @@ def parse_count(text: str | None, flag: str) -> int | None:
     except ValueError:
         value = 0.0
     if not value >= 1:
-        raise YafsdpError(f"{flag} {text!r} is not a count; write it like 2T, 300B or 2e12")
+        raise YafsdpError(f"{flag} {shown(text)!r} is not a count; write it like 2T, 300B or 2e12")
+    if not value <= MAX_TOKENS:  # inf too: 1e999
+        raise YafsdpError(f"{flag} {shown(text)}: a count is at most 1e18")
     return int(value)

@@ -41,8 +41,7 @@ import torch
 from ..memory.caching_allocator import reserved_of
 from ..memory.headroom import headroom, keeps_margin
 from ..memory.outside_allocator import OutsideAllocator, OutsidePart, outside_memory
-from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
-from ..profiling.gpu_holding import ALLOC_CONF_VAR
+from ..options.alloc_conf import ALLOC_CONF_VAR, AllocatorConf, allocator_setting
 from .plan_report import AllocAdvice, PlanRow, ReservedCheck
 
 RESERVED = "reserved:"  # a run's figures: RESERVED + setting -> its reserved peak
@@ -55,8 +54,7 @@ def plan_confs(opts) -> tuple[AllocatorConf, ...]:
     segments; none for ``--target cpu`` (no caching allocator to model)."""
     if opts.step.kernels != "cuda":
         return ()
-    text = opts.alloc_conf if opts.alloc_conf is not None else os.environ.get(ALLOC_CONF_VAR)
-    own = parse_alloc_conf(text)
+    own = allocator_setting(opts.alloc_conf)
     if own.expandable_segments:
         return (own,)
     return own, dataclasses.replace(own, expandable_segments=True)

@@ -19,11 +19,9 @@ import torch
 
 from ..memory.caching_allocator import AllocTrace, reserved_of
 from ..memory.outside_allocator import HOPPER, OutsideAllocator, outside_memory
-from ..options.alloc_conf import AllocatorConf, parse_alloc_conf
+from ..options.alloc_conf import AllocatorConf, allocator_setting
 from .profile_options import ProfileOptions
 from .profile_report import ReservedPeak
-
-ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +37,7 @@ def gpu_holding(opts: ProfileOptions) -> GpuHolding | None:
     variable is a ``YafsdpError`` before any step runs."""
     if opts.kernels != "cuda":
         return None
-    text = opts.alloc_conf if opts.alloc_conf is not None else os.environ.get(ALLOC_CONF_VAR)
+    conf = allocator_setting(opts.alloc_conf)  # a bad one fails before the context is read
     on_gpu = opts.device == "cuda" and torch.cuda.is_available()
     capability = tuple(torch.cuda.get_device_capability()) if on_gpu else HOPPER
     outside = outside_memory(
@@ -48,7 +46,7 @@ def gpu_holding(opts: ProfileOptions) -> GpuHolding | None:
         capability=capability,
         env=os.environ,
     )
-    return GpuHolding(parse_alloc_conf(text), outside)
+    return GpuHolding(conf, outside)
 
 
 def reserved_peak(trace: AllocTrace, holding: GpuHolding) -> ReservedPeak:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import YafsdpError
-from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict
+from ..numbers import MIN_EFFICIENCY, checked, shown
+from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict, read_profile_json
 from .roofline import Efficiency
 
 EFFICIENCY_KEYS = ("matrix", "vector", "memory", "kernel_floor_us")
@@ -42,13 +43,7 @@ class GpuProfile:
 def load_profile(path: str | Path) -> GpuProfile:
     """The profile in ``path``; every problem is one line naming the file and the key."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise YafsdpError(f"{path}: cannot read the GPU profile ({exc.strerror})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise YafsdpError(f"{path}: not a JSON GPU profile ({exc})") from exc
-    return profile_from_dict(doc, where=str(path))
+    return profile_from_dict(read_profile_json(path), where=str(path))
 
 
 def profile_from_dict(doc, where: str = "GPU profile") -> GpuProfile:
@@ -71,7 +66,15 @@ def _efficiency(doc, where: str) -> Efficiency:
         )
     for key, value in doc.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise YafsdpError(f"{where}: efficiency {key!r} must be a number, got {value!r}")
+            raise YafsdpError(
+                f"{where}: efficiency {key!r} must be a number, got {shown(repr(value))}"
+            )
+        if key == "kernel_floor_us":  # at most a second: no kernel launch costs more
+            checked(value, f"{where}: efficiency {key!r}", 0, 1e6)
+        elif 0 < value < MIN_EFFICIENCY:  # above 1, NaN and inf: ``Efficiency`` says so
+            raise YafsdpError(
+                f"{where}: efficiency {key!r} must be at least {MIN_EFFICIENCY:g}, got {value!r}"
+            )
     given = {k: v for k, v in doc.items() if k != "kernel_floor_us"}
     if "kernel_floor_us" in doc:
         given["kernel_floor_s"] = doc["kernel_floor_us"] * 1e-6

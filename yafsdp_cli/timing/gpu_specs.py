@@ -16,19 +16,34 @@ A profile of one's own GPU is a JSON object with the fields of
     {"name": "my-gpu", "memory_bytes": 85899345920, "bf16_tflops": 900,
      "fp8_tflops": 1800, "fp32_tflops": 60, "hbm_gbps": 3000, "link_gbps": 400,
      "gpus_per_node": 8, "source": "measured"}
+
+Every figure is a finite number in a physical range (``BOUNDS``; ``NaN``,
+``Infinity`` and ``1e400`` are refused naming the field), and the file is at most
+``MAX_PROFILE_BYTES`` (1 MiB; a calibrated profile is about 1 KB), refused before
+it is parsed.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YafsdpError
+from ..fileio import read_json
+from ..numbers import (
+    MAX_BYTES,
+    MAX_BYTES_PER_S,
+    MAX_COUNT,
+    MAX_FLOPS,
+    MIN_RATE,
+    checked,
+    shown,
+)
 
 MIB, GIB = 1 << 20, 1 << 30
 TERA, GIGA = 1e12, 1e9
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "gpu.schema.json"
+MAX_PROFILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +126,30 @@ FIELDS = {
     "gpus_per_node": int,
 }
 OPTIONAL = {"fp8_tflops": 0, "source": "user profile"}
+# each number's range, as ``numbers.checked`` takes it: the rates in the file's units
+# (TFLOP/s, GB/s) from ``numbers.MIN_RATE`` to ``numbers.MAX_FLOPS`` and
+# ``numbers.MAX_BYTES_PER_S``
+BOUNDS = {
+    "memory_bytes": (1, MAX_BYTES),
+    "bf16_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),
+    "fp8_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),  # or 0: no fp8 units
+    "fp32_tflops": (MIN_RATE / TERA, MAX_FLOPS / TERA),
+    "hbm_gbps": (MIN_RATE / GIGA, MAX_BYTES_PER_S / GIGA),
+    "link_gbps": (MIN_RATE / GIGA, MAX_BYTES_PER_S / GIGA),
+    "gpus_per_node": (1, MAX_COUNT),
+}
+
+
+def read_profile_json(path: Path):
+    """The JSON document of a GPU profile file, at most ``MAX_PROFILE_BYTES``."""
+    return read_json(path, error=YafsdpError, cap=MAX_PROFILE_BYTES)
 
 
 def load_gpu(path: str | Path) -> GpuSpec:
     """A GPU profile from a JSON file (``schemas/gpu.schema.json``); every problem is
     one line naming the file and the field."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise YafsdpError(f"{path}: cannot read the GPU profile ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise YafsdpError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from exc
-    return gpu_from_dict(doc, where=str(path))
+    return gpu_from_dict(read_profile_json(path), where=str(path))
 
 
 def gpu_from_dict(doc, where: str = "GPU profile") -> GpuSpec:
@@ -150,14 +176,21 @@ def _check_field(doc: dict, key: str, kind, where: str) -> None:
     if key not in doc:
         raise YafsdpError(f"{where}: missing field {key!r}")
     value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        want = "a string" if kind is str else "an integer" if kind is int else "a number"
-        raise YafsdpError(f"{where}: {key!r} must be {want}, got {value!r}")
     if kind is str:
+        if not isinstance(value, str):
+            raise YafsdpError(f"{where}: {key!r} must be a string, got {shown(repr(value))}")
         if not value.strip():
             raise YafsdpError(f"{where}: {key!r} must not be empty")
-    elif value < 0 or (value == 0 and key not in ("fp8_tflops",)):
-        raise YafsdpError(f"{where}: {key!r} must be positive, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, kind):
+        want = "an integer" if kind is int else "a number"
+        raise YafsdpError(f"{where}: {key!r} must be {want}, got {shown(repr(value))}")
+    low, high = BOUNDS[key]
+    if key == "fp8_tflops" and value == 0:
+        return
+    if value == 0 or (isinstance(value, int | float) and value < 0):
+        raise YafsdpError(f"{where}: {key!r} must be positive, got {shown(repr(value))}")
+    checked(value, f"{where}: {key!r}", low, high, whole=kind is int)
 
 
 def resolve_gpu(name_or_path: str) -> GpuSpec:

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..engine.module_spec import collect_tensors
 from ..errors import YafsdpError
+from ..numbers import shown
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 DEPTH_ARGS = (*LAYER_KEYS, "depth", "layers", "n_blocks", "num_blocks")
@@ -71,19 +72,21 @@ def parse_blocks(spec: str, total: int) -> tuple[int, ...]:
         return tuple(range(total))
     try:
         numbers = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
+    except ValueError:  # not digits, or more than Python converts
         numbers = []
     if not numbers:
-        raise YafsdpError(f"--blocks {spec!r}: give a count (2), indices (0,17,31) or all")
+        raise YafsdpError(f"--blocks {shown(spec)!r}: give a count (2), indices (0,17,31) or all")
     if "," not in text:
         (count,) = numbers
         if not 1 <= count <= total:
-            raise YafsdpError(f"--blocks {spec}: the model has {total} blocks; give 1 to {total}")
+            raise YafsdpError(
+                f"--blocks {shown(spec)}: the model has {total} blocks; give 1 to {total}"
+            )
         return spread(count, total)
     bad = [n for n in numbers if not 0 <= n < total]
     if bad or len(set(numbers)) != len(numbers):
-        why = f"{bad[0]} is not a block index" if bad else "an index is repeated"
-        raise YafsdpError(f"--blocks {spec}: {why}; the model has blocks 0 to {total - 1}")
+        why = f"{shown(bad[0])} is not a block index" if bad else "an index is repeated"
+        raise YafsdpError(f"--blocks {shown(spec)}: {why}; the model has blocks 0 to {total - 1}")
     return tuple(sorted(numbers))
 
 
