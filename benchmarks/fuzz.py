@@ -1,6 +1,6 @@
 """Fuzzing the readers that face hostile files: safetensors headers, index files, flat
-checkpoints (their layout metadata included), DCP ``.metadata`` pickles, GPU profiles
-and PEFT adapter configs (with peft and transformers installed).
+checkpoints (their layout metadata included), ``.pt`` files, DCP ``.metadata`` pickles,
+GPU profiles and PEFT adapter configs (with peft and transformers installed).
 
 Each target starts from a valid file, mutates it (bytes: flips, interesting values,
 cuts, repeats; JSON: a value replaced by a hostile one), and hands it to the reader.
@@ -242,6 +242,53 @@ class DcpTarget(Target):
             weights.reader.load(name)
 
 
+class TorchFileTarget(Target):
+    """A ``.pt`` file: its ``data.pkl`` mutated inside a well-formed zip archive (so
+    that the pickle, not the zip, is what is tried), or the archive's bytes as they
+    are; read by ``load_torch_file`` (the opcode check, then torch's weights-only
+    load) and every tensor of the state dict found in it."""
+
+    name = "pt"
+
+    def __init__(self, work: Path):
+        super().__init__(work)
+        import io
+        import zipfile
+
+        import torch
+
+        buf = io.BytesIO()
+        state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+        torch.save({"model": state, "step": 3, "names": ("w", "b")}, buf)
+        self.seed = buf.getvalue()
+        with zipfile.ZipFile(io.BytesIO(self.seed)) as z:
+            self.members = [(n, z.read(n)) for n in z.namelist()]
+
+    def mutant(self, rng: random.Random) -> bytes:
+        import io
+        import zipfile
+
+        if rng.random() < 0.2:
+            return mutate_bytes(self.seed, rng)
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for name, data in self.members:
+                z.writestr(name, mutate_bytes(data, rng) if name.endswith("data.pkl") else data)
+        return out.getvalue()
+
+    def run(self, data: bytes) -> None:
+        import warnings
+
+        from yafsdp_cli.sources.torch_file import find_state_dict, load_torch_file
+
+        path = self.work / "m.pt"
+        path.write_bytes(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj, _ = load_torch_file(path, trust_pickle=False)
+            find_state_dict(obj, path)
+
+
 class GpuProfileTarget(Target):
     """A ``--gpu-profile`` file: a GPU's figures and measured efficiencies."""
 
@@ -356,7 +403,15 @@ class PeftTarget(Target):
 
 
 TARGETS: dict[str, type[Target]] = {
-    t.name: t for t in (SafetensorsTarget, IndexTarget, FlatTarget, DcpTarget, GpuProfileTarget)
+    t.name: t
+    for t in (
+        SafetensorsTarget,
+        IndexTarget,
+        FlatTarget,
+        TorchFileTarget,
+        DcpTarget,
+        GpuProfileTarget,
+    )
 }
 if all(importlib.util.find_spec(m) for m in ("peft", "transformers")):  # the peft extra
     TARGETS[PeftTarget.name] = PeftTarget

@@ -82,3 +82,34 @@ def test_a_dcp_record_without_a_field(tmp_path, field, spelt):
     path.write_bytes(path.read_bytes().replace(field, spelt, 1))
     with pytest.raises(YafsdpError, match=f"without its '{field.decode()}' field; the metadata"):
         read_dcp_metadata(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("pickled", "why"),
+    [
+        (b"\x80\x02}}}K\x01s.", r"TypeError: unhashable type: 'dict'"),
+        (
+            b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n)Rs.",
+            r"TypeError: .*_rebuild_tensor_v2\(\) missing",
+        ),
+    ],
+    ids=["dict-key", "rebuild-args"],
+)
+def test_a_pt_whose_weights_only_load_raises(tmp_path, pickled, why):
+    """Found by the pt target: torch's weights-only load raised ``TypeError`` (a dict
+    as a key, a rebuild function short of arguments), which went out as an internal
+    error; a weights-only load runs nothing from the file, so it is the file's damage."""
+    import zipfile
+
+    import torch
+
+    from yafsdp_cli.sources.torch_file import load_torch_file
+
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.ones(2)}, base)
+    path = tmp_path / "m.pt"
+    with zipfile.ZipFile(base) as z, zipfile.ZipFile(path, "w") as out:
+        for name in z.namelist():
+            out.writestr(name, pickled if name.endswith("data.pkl") else z.read(name))
+    with pytest.raises(YafsdpError, match=r"m\.pt: not a readable torch file \(" + why):
+        load_torch_file(path, trust_pickle=False)

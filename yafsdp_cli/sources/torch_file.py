@@ -86,6 +86,15 @@ def _load(path: Path, *, weights_only: bool):
         raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
     except (EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
         raise SourceError(f"{path}: not a readable torch file ({_first_line(exc)})") from None
+    except Exception as exc:
+        if not weights_only:
+            raise
+        # a weights-only load runs nothing from the file: whatever it raises (a
+        # TypeError of a rebuild function given the wrong arguments, an unhashable
+        # key) is the file's damage
+        raise SourceError(
+            f"{path}: not a readable torch file ({type(exc).__name__}: {cut(_first_line(exc))})"
+        ) from None
 
 
 def _check_opcodes(path: Path) -> None:
@@ -114,7 +123,7 @@ def _check_opcodes(path: Path) -> None:
             check_pickle(stream, len(head))
     except PickleShapeError as exc:
         raise SourceError(f"{path}: not a readable torch file ({cut(str(exc))})") from None
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
         raise SourceError(f"{path}: not a readable torch file ({cut(_first_line(exc))})") from None
 
 
