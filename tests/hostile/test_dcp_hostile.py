@@ -268,3 +268,16 @@ def test_every_error_line_is_one_line_without_control_characters(tmp_path, monke
     line = result.stderr
     assert line.startswith("error: x.bin: member a\\x1b[2J") and line.count("\n") == 1, line
     assert "\x1b" not in line
+
+
+def test_plain_text_on_the_consoles_is_escaped_line_by_line(capsys):
+    """Notes and warnings (markup off) name files and tensors: each line is escaped,
+    the line breaks we put there kept; markup text is ours and passes as it is."""
+    from yafsdp_cli.cli.command_kit import LazyConsole
+
+    console = LazyConsole(stderr=True, highlight=False, soft_wrap=True)
+    console.print("note: \x1b]0;pwned\x07a.weight\nsecond line", markup=False)
+    console.print("[bold]ours[/]", markup=True)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert err.splitlines() == ["note: \\x1b]0;pwned\\x07a.weight", "second line", "ours"]

@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..engine import dtypes
-from ..errors import CheckpointError
+from ..errors import CheckpointError, printable
 from ..fileio import WRITTEN, write_error
 from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
@@ -489,7 +489,7 @@ def clear_leftovers(out: Path) -> None:
 
 
 def _warn(text: str) -> None:
-    sys.stderr.write(f"warning: {text}\n")
+    sys.stderr.write(f"warning: {printable(text)}\n")
     sys.stderr.flush()
 
 

@@ -43,7 +43,19 @@ class LazyConsole:
             self._console = Console(**self._options)
         return self._console
 
-    def __getattr__(self, name: str):  # print, is_terminal...: the real console's
+    def print(self, *objects, **options) -> None:
+        """The real console's ``print``; plain text (``markup=False``: notes, warnings,
+        lines naming files and tensors) has its control characters escaped line by
+        line (``errors.printable``), so a name read from a file cannot act on the
+        terminal. Markup text is ours and escapes what it quotes itself."""
+        if options.get("markup") is False:
+            objects = tuple(
+                "\n".join(printable(line) for line in o.split("\n")) if isinstance(o, str) else o
+                for o in objects
+            )
+        self.get().print(*objects, **options)
+
+    def __getattr__(self, name: str):  # is_terminal, width...: the real console's
         if name.startswith("_"):  # not set yet (a copy being made): no recursion
             raise AttributeError(name)
         return getattr(self.get(), name)
