@@ -152,21 +152,13 @@ def _dcp_param_names(
     ids = [p for i in order if isinstance(groups[i], list) for p in groups[i]]
     if not ids or not all(type(p) is int for p in ids):
         ids = sorted({int(t.param) for t in tensors})
-    module = loaded.module
-    if module is None:
-        raise SourceError(
-            f"{where}: the optimizer state numbers its parameters by position "
-            f"(0..{max(ids)}), as optimizer.state_dict() does; give the architecture with "
-            "--model package.module:factory so the positions can be named, save it with "
-            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (which keys "
-            "it by name), or pass --weights-only"
-        )
-    params = [n for n, _ in module.named_parameters()]
-    if len(params) != len(ids):
-        raise SourceError(
-            f"{where}: the optimizer holds {len(ids)} parameters, but --model has "
-            f"{len(params)}; the optimizer was not built over model.parameters()"
-        )
+    how = (
+        f"by position (0..{max(ids)}), as optimizer.state_dict() does; give the architecture "
+        "with --model package.module:factory so the positions can be named, save it with "
+        "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (which keys it "
+        "by name), or pass --weights-only"
+    )
+    params = _positions_named(loaded, ids, where, how)
     names = {str(i): n for i, n in zip(ids, params, strict=True)}
     missing = sorted({t.param for t in tensors} - set(names), key=int)
     if missing:
@@ -319,20 +311,26 @@ def _param_names(loaded: LoadedModel, osd: dict, where: str) -> dict[int, str]:
     ids = [p for g in groups for p in g.get("params", [])]
     if not all(isinstance(p, int) for p in ids):
         return {p: str(p) for p in ids}  # already named
-    module = loaded.module
-    if module is None:
-        raise SourceError(
-            f"{where}: the optimizer state numbers its parameters (0..{len(ids) - 1}); give "
-            "the architecture with --model package.module:factory so they can be named, or "
-            "pass --weights-only"
-        )
-    params = [n for n, _ in module.named_parameters()]
+    how = (
+        f"(0..{len(ids) - 1}); give the architecture with --model package.module:factory "
+        "so they can be named, or pass --weights-only"
+    )
+    return dict(zip(ids, _positions_named(loaded, ids, where, how)))
+
+
+def _positions_named(loaded: LoadedModel, ids: list, where: str, how: str) -> list[str]:
+    """``--model``'s parameter names in ``parameters()`` order, one for each of the
+    optimizer's ``ids``; without ``--model``, the error says the state is numbered
+    ``how``."""
+    if loaded.module is None:
+        raise SourceError(f"{where}: the optimizer state numbers its parameters {how}")
+    params = [n for n, _ in loaded.module.named_parameters()]
     if len(params) != len(ids):
         raise SourceError(
             f"{where}: the optimizer holds {len(ids)} parameters, but --model has "
             f"{len(params)}; the optimizer was not built over model.parameters()"
         )
-    return dict(zip(ids, params))
+    return params
 
 
 def _dtype_name(dtype) -> str:
