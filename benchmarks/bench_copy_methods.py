@@ -1,4 +1,4 @@
-"""How to move checkpoint bytes: the measurements behind ``checkpoint/copy.py``.
+"""How to move checkpoint bytes: the measurements behind ``checkpoint/file_ranges.py``.
 
 Copies the 1.24 GiB benchmark checkpoint (bench_convert) whole, file to file, in
 this process, each way below, beside ``cp`` of the same file in the same run. Every
@@ -23,7 +23,7 @@ Ways with a checksum give the CRC-32 that ``convert`` stores; ``cp`` computes no
   whose header is not padded to the source's page offset gets, ``writer.py``);
 * the same, the output 8 KiB in (on the page, off the 64 KiB grid, as a file whose
   header is 8 KiB long has it): with the first call ending on the output's next
-  64 KiB boundary (what ``Copier`` does, ``copy.WRITE_ALIGN``) and without;
+  64 KiB boundary (what ``Copier`` does, ``file_ranges.WRITE_ALIGN``) and without;
 * one buffered pass: ``preadv`` into a 4 MiB buffer, CRC-32, ``pwrite`` (what
   ``Copier`` does where no kernel copy works); the same with zlib's CRC-32 instead
   of isal's (``checkpoint/crc.py``);
@@ -46,9 +46,9 @@ import threading
 import time
 from pathlib import Path
 
-from yafsdp_cli.checkpoint import copy as copy_mod
 from yafsdp_cli.checkpoint import crc as crc_mod
-from yafsdp_cli.checkpoint.copy import Copier, FileRange
+from yafsdp_cli.checkpoint import file_ranges
+from yafsdp_cli.checkpoint.file_ranges import Copier, FileRange
 from yafsdp_cli.checkpoint.format import Checksum
 
 from .bench_convert import make_checkpoint
@@ -139,11 +139,11 @@ def methods(src: Path, out: Path) -> dict:
         c.copy(whole, fd, at, Checksum())
 
     def without_lead_step(fd):
-        align, copy_mod.WRITE_ALIGN = copy_mod.WRITE_ALIGN, 1  # every call a full step
+        align, file_ranges.WRITE_ALIGN = file_ranges.WRITE_ALIGN, 1  # every call a full step
         try:
             kernel_with_crc_thread(fd, at=OFF_GRID)
         finally:
-            copy_mod.WRITE_ALIGN = align
+            file_ranges.WRITE_ALIGN = align
 
     def one_pass(fd):
         c = Copier()

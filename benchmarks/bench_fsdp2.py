@@ -24,7 +24,7 @@ RUNS = ((3, ("llama-bench", "mixtral-bench")), (8, ("llama-bench", "mixtral-benc
 
 
 def _inspect(folder: Path, world: int, placement: str):
-    from yafsdp_cli.inspect.build import inspect_model
+    from yafsdp_cli.inspection.build import inspect_model
     from yafsdp_cli.sources import load_source
 
     report = inspect_model(

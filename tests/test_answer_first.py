@@ -12,11 +12,11 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import SAMPLES
-from yafsdp_cli.inspect.build import inspect_model
+from yafsdp_cli.inspection.build import inspect_model
 from yafsdp_cli.profiling import ProfileOptions, profile_model
 from yafsdp_cli.report import inspect_view, profile_view
 from yafsdp_cli.report.formatting import human_bytes
-from yafsdp_cli.report.html import inspect_page, profile_page
+from yafsdp_cli.report.html_pages import inspect_page, profile_page
 from yafsdp_cli.sources import load_source
 
 LLAMA = SAMPLES / "llama.safetensors"

@@ -23,10 +23,14 @@ from checkpoint_helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yafsdp_cli.checkpoint import convert_checkpoint, reshard_checkpoint, restore_checkpoint
-from yafsdp_cli.checkpoint import copy as copy_mod
+from yafsdp_cli.checkpoint import (
+    convert_checkpoint,
+    file_ranges,
+    reshard_checkpoint,
+    restore_checkpoint,
+)
 from yafsdp_cli.checkpoint import crc as crc_mod
-from yafsdp_cli.checkpoint.copy import Copier, FileRange, Zeros, coalesce, data_segments
+from yafsdp_cli.checkpoint.file_ranges import Copier, FileRange, Zeros, coalesce, data_segments
 from yafsdp_cli.checkpoint.format import Checksum
 from yafsdp_cli.errors import CheckpointError
 
@@ -185,7 +189,7 @@ def test_a_kernel_copy_reaches_the_64k_grid_in_its_first_call(tmp_path, monkeypa
     boundary and every later call starts on one (``copy_methods``, "output 8 KiB in":
     the same copy without that first short call takes 1.37x as long)."""
     src, data = _source(tmp_path)
-    monkeypatch.setattr(copy_mod, "KERNEL_STEP", 4 * copy_mod.WRITE_ALIGN)  # several calls
+    monkeypatch.setattr(file_ranges, "KERNEL_STEP", 4 * file_ranges.WRITE_ALIGN)  # several calls
     real, starts = getattr(os, method), []
     if method == "copy_file_range":
 
@@ -204,7 +208,7 @@ def test_a_kernel_copy_reaches_the_64k_grid_in_its_first_call(tmp_path, monkeypa
     copier = Copier()
     out = _copy(copier, FileRange(src, 100, len(data) - 100), tmp_path / "d", len(data) + 7)
     assert out[7 : 7 + len(data) - 100] == data[100:] and set(copier.used) == {method}
-    grid = copy_mod.WRITE_ALIGN
+    grid = file_ranges.WRITE_ALIGN
     assert starts[0] == 7 and starts[1] == grid  # 7 bytes in: up to the boundary first
     assert len(starts) > 3 and all(at % grid == 0 for at in starts[1:])
 
@@ -423,7 +427,7 @@ def test_input_checked_in_the_copy_pass_still_refuses_any_changed_byte(tmp_path,
 
 
 def test_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(copy_mod.os, "pwrite", _fail(errno.ENOSPC))
+    monkeypatch.setattr(file_ranges.os, "pwrite", _fail(errno.ENOSPC))
     out = tmp_path / "out" / "flat.safetensors"
     out.parent.mkdir()
     with pytest.raises(CheckpointError, match=r"no space left on device while writing .*out"):
@@ -455,7 +459,7 @@ def test_the_input_is_read_once(tmp_path, monkeypatch, command):
 
 def test_the_read_back_thread_gives_the_crc_and_hands_its_errors_over(tmp_path, monkeypatch):
     src, data = _source(tmp_path)
-    monkeypatch.setattr(copy_mod, "OVERLAP_MIN", 1)  # every range: copy and read back at once
+    monkeypatch.setattr(file_ranges, "OVERLAP_MIN", 1)  # every range: copy and read back at once
     digest = Checksum()
     out = _copy(
         Copier(buffer_bytes=MiB),
@@ -474,7 +478,7 @@ def test_ctrl_c_during_the_kernel_copy_stops_the_read_back_thread(tmp_path, monk
     import threading
 
     src, data = _source(tmp_path)
-    monkeypatch.setattr(copy_mod, "OVERLAP_MIN", 1)
+    monkeypatch.setattr(file_ranges, "OVERLAP_MIN", 1)
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -492,7 +496,7 @@ def _can_allocate(folder: Path) -> bool:
     def allocate(path: Path) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            copy_mod.allocate(fd, 0, MiB)
+            file_ranges.allocate(fd, 0, MiB)
         finally:
             os.close(fd)
 
@@ -520,7 +524,7 @@ def test_output_blocks_are_allocated_before_the_kernel_copy_writes_them(tmp_path
 
 def test_a_full_disk_when_reserving_is_the_outputs_error_before_any_copy(tmp_path, monkeypatch):
     src, data = _source(tmp_path)
-    monkeypatch.setattr(copy_mod, "allocate", _fail(errno.ENOSPC))
+    monkeypatch.setattr(file_ranges, "allocate", _fail(errno.ENOSPC))
     monkeypatch.setattr(os, "copy_file_range", lambda *a: pytest.fail("copied anyway"))
     _assert_disk_full(src, len(data), tmp_path / "d")
 
@@ -533,7 +537,7 @@ def test_without_fallocate_the_copy_goes_on_and_does_not_ask_again(tmp_path, mon
         asked.append(args)
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
-    monkeypatch.setattr(copy_mod, "allocate", refuse)
+    monkeypatch.setattr(file_ranges, "allocate", refuse)
     copier = Copier()
     for name in ("d", "e"):
         out = _copy(copier, FileRange(src, 0, len(data)), tmp_path / name, len(data) + 7)
@@ -542,8 +546,8 @@ def test_without_fallocate_the_copy_goes_on_and_does_not_ask_again(tmp_path, mon
 
 
 def test_small_pieces_are_not_reserved(tmp_path, monkeypatch):
-    src, data = _source(tmp_path, copy_mod.RESERVE_MIN - 1)
-    monkeypatch.setattr(copy_mod, "allocate", lambda *a: pytest.fail("reserved"))
+    src, data = _source(tmp_path, file_ranges.RESERVE_MIN - 1)
+    monkeypatch.setattr(file_ranges, "allocate", lambda *a: pytest.fail("reserved"))
     assert _copy(Copier(), FileRange(src, 0, len(data)), tmp_path / "d", len(data) + 7)[7:] == data
 
 

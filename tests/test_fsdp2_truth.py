@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.fsdp2_ranks import CONFIGS, Held, Job, launch  # noqa: E402
-from yafsdp_cli.inspect.build import inspect_model  # noqa: E402
+from yafsdp_cli.inspection.build import inspect_model  # noqa: E402
 from yafsdp_cli.report.inspect_view import payload  # noqa: E402
 from yafsdp_cli.sources import load_source  # noqa: E402
 

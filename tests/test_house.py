@@ -24,7 +24,7 @@ RANKS = {
     "options": 3,
     "sources": 3,
     "memory": 4,
-    "inspect": 5,
+    "inspection": 5,
     "verify": 5,
     "profiling": 5,
     "timing": 6,
@@ -192,3 +192,26 @@ def test_the_name_check_sees_a_shared_name():
     }
     clash = [PKG / "engine" / "__init__.py", PKG / "checkpoint" / "engine.py"]
     assert stems(clash) == {"engine": ["engine/__init__.py", "checkpoint/engine.py"]}
+
+
+def stdlib_imported() -> set[str]:
+    """Standard-library modules the package imports (the top name of each import)."""
+    import sys
+
+    found: set[str] = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+    return found & set(sys.stdlib_module_names)
+
+
+def test_no_module_shadows_a_standard_module_the_package_imports():
+    """``from . import copy`` beside ``import copy`` leaves the reader asking which: a
+    module of ours never takes the name of a standard module the package uses."""
+    imported = stdlib_imported()
+    assert {"copy", "inspect", "html", "json", "os"} <= imported  # the check sees them
+    shadows = {s: where for s, where in stems(sorted(PKG.rglob("*.py"))).items() if s in imported}
+    assert not shadows, f"modules named as standard modules the package imports: {shadows}"

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from benchmarks.bench_inspect_70b import write_sparse
 from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
-from yafsdp_cli.inspect.build import inspect_model
+from yafsdp_cli.inspection.build import inspect_model
 from yafsdp_cli.report.formatting import human_bytes
-from yafsdp_cli.report.html import inspect_page, plan_heatmap
+from yafsdp_cli.report.html_pages import inspect_page, plan_heatmap
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from yafsdp_cli.errors import YafsdpError
-from yafsdp_cli.inspect.inspect_options import InspectOptions
+from yafsdp_cli.inspection.inspect_options import InspectOptions
 from yafsdp_cli.memory.headroom import fits, headroom, needed_bytes, process_sum
 from yafsdp_cli.options import LayoutOptions, MemoryOptions, StepOptions, route
 from yafsdp_cli.planning import PlanOptions

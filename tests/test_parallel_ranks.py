@@ -14,8 +14,8 @@ from yafsdp_cli.checkpoint import (
     parallel_ranks,
     reshard_checkpoint,
 )
-from yafsdp_cli.checkpoint import copy as copy_mod
-from yafsdp_cli.checkpoint.copy import FileRange, Zeros
+from yafsdp_cli.checkpoint import file_ranges as copy_mod
+from yafsdp_cli.checkpoint.file_ranges import FileRange, Zeros
 from yafsdp_cli.checkpoint.flat_writer import shard_pieces
 
 

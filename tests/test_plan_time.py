@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
-from yafsdp_cli.inspect.build import retype_params
+from yafsdp_cli.inspection.build import retype_params
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
 from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate, ranked_rows
 from yafsdp_cli.planning.plan_options import parse_count, parse_rate

@@ -17,7 +17,7 @@ from yafsdp_cli.memory import reserved_of
 from yafsdp_cli.profiling import ProfileOptions, profile_model
 from yafsdp_cli.profiling import profiler as profiler_module
 from yafsdp_cli.report.formatting import human_bytes
-from yafsdp_cli.report.html import profile_page
+from yafsdp_cli.report.html_pages import profile_page
 from yafsdp_cli.report.profile_view import to_json, to_markdown
 from yafsdp_cli.sources import load_source
 

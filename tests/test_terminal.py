@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
 from yafsdp_cli.cli.progress import StageBar, WaitBar
-from yafsdp_cli.inspect.build import inspect_model
+from yafsdp_cli.inspection.build import inspect_model
 from yafsdp_cli.report.bars import GLYPHS, BarRow, StackedBars, cells
 from yafsdp_cli.report.formatting import human_bytes
 from yafsdp_cli.report.inspect_view import memory_bars

@@ -21,7 +21,7 @@ Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
 calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
 data order), ``flat_writer`` (buffers routed to rank files; ``parallel_ranks``
 writes the rank files side by side) over ``writer`` (one safetensors file, staged
-outputs), ``copy`` (moving bytes by file ranges), ``crc``
+outputs), ``file_ranges`` (moving bytes by file ranges), ``crc``
 and ``integrity`` (checksums, zero padding), ``dcp_restore`` and ``dcp_write``,
 ``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
 (AdamW on a ``FlatModel``'s buffers from and to a checkpoint), ``sharded_training``

@@ -4,7 +4,7 @@ Each flat buffer is assembled from its entries' source bytes, in order: for a
 safetensors source, and for a DCP folder's tensors and optimizer state, each entry
 is one or more ranges of the source files (neighbours merged into one range,
 ``copy.coalesce``), copied file to file and checksummed in one pass
-(``copy.Copier``; torch is not even imported); other sources stream their bytes
+(``file_ranges.Copier``; torch is not even imported); other sources stream their bytes
 (``loaded.reader.iter_bytes``). The model is never held in memory. A reader that
 hands out ranges of bytes it can check (DCP's chunks carry a CRC-32 each) checks
 them after the copy against the CRCs the copier read back (``check_copied``).
@@ -26,7 +26,7 @@ from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
 from ..sources import LoadedModel, load_source
-from .copy import Copier, FileRange
+from .file_ranges import Copier, FileRange
 from .flat_writer import stored_kept, write_flat, zeros
 from .format import KEY_FORMAT, STREAM_CHUNK
 from .optim_state import SEP, optim_from

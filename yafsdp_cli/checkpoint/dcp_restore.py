@@ -21,8 +21,8 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .copy import Copier
 from .dcp_write import write_dcp
+from .file_ranges import Copier
 from .reader import FlatCheckpoint
 from .results import Progress, RestoreResult, restored
 from .writer import existing_folder_output, staged_output

@@ -9,7 +9,7 @@ single_file_per_rank=False))`` writes in one process, byte for byte in structure
 - item ``k`` is the file ``__0_{k}.distcp``, one ``torch.save`` archive at offset 0
   (``sources.torch_archive``/``torch_pickle``): a tensor as ``_rebuild_tensor_v2``
   of one storage member whose bytes are copied by the kernel straight from the flat
-  checkpoint (``copy.Copier``, CRC-32 read back for the data descriptor and the
+  checkpoint (``file_ranges.Copier``, CRC-32 read back for the data descriptor and the
   ledger); any other value pickled as it is (protocol 2, as ``torch.save``);
 - ``.metadata``: DCP's ``Metadata`` of stand-ins (``sources.dcp_pickle``) pickled
   under torch's class names: each tensor's properties, size and one chunk, each
@@ -45,8 +45,8 @@ from ..sources.torch_archive import (
     torch_members,
 )
 from ..sources.torch_pickle import Dtype, RawTensor, tensor_pickle
-from .copy import Copier, FileRange, coalesce, write_at
 from .crc import crc32, crc32_combine
+from .file_ranges import Copier, FileRange, coalesce, write_at
 from .reader import StateDictItem
 from .results import Progress
 

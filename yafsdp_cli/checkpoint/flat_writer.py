@@ -1,7 +1,7 @@
 """Writing a flat checkpoint from byte streams: one file, or one file per rank.
 
 The caller gives, for every buffer, the pieces of the whole logical buffer
-(``padded_numel`` elements: entries and zero padding in flat order; ``copy.py``:
+(``padded_numel`` elements: entries and zero padding in flat order; ``file_ranges.py``:
 file ranges, zeros, or bytes where no file lies behind them) and, for every kept
 tensor, its pieces. ``write_flat`` routes each buffer's pieces to the rank files
 (rank ``r`` gets bytes ``[r * S, (r + 1) * S)``, ``S`` the shard size in bytes),
@@ -31,7 +31,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..engine.records import TensorRecord
 from ..errors import CheckpointError
-from .copy import Copier, Zeros, coalesce, size_of, split
+from .file_ranges import Copier, Zeros, coalesce, size_of, split
 from .format import (
     CHECKSUM_ALGO,
     FORMAT_VERSION,

@@ -85,7 +85,7 @@ YAFSDP_KEYS = (
 CHECKSUM_ALGO = "crc32"
 
 # Bytes per step for byte streams that have no file behind them (a .pt state dict's
-# tensors, the --verify comparison); file ranges go through copy.Copier, whose
+# tensors, the --verify comparison); file ranges go through file_ranges.Copier, whose
 # measured best step is larger (4 MiB, benchmarks/bench_copy_methods.py). 128 KiB
 # keeps a chunk in L2 between read, checksum and write (0.9-1.1 s for the 1.24 GiB
 # benchmark file, against 1.8-4.2 s with 16 MiB, median of 3).

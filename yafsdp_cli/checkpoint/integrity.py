@@ -15,8 +15,8 @@ from pathlib import Path
 from ..engine import dtypes
 from ..engine.layout import BufferLayout
 from ..errors import CheckpointError
-from .copy import Copier, FileRange
 from .crc import crc32_combine
+from .file_ranges import Copier, FileRange
 from .format import Checksum, algo_of
 from .results import Progress
 

@@ -16,7 +16,7 @@ whose bytes stream (a ``.pt`` state dict) keep the one-file-at-a-time path of
 
 The writers pass their byte counts to the calling thread, which reports progress
 (the bars are not thread-safe) and receives Ctrl-C: an error there stops the
-writers at their next piece (a kernel copy step is at most ``copy.KERNEL_STEP``
+writers at their next piece (a kernel copy step is at most ``file_ranges.KERNEL_STEP``
 bytes), waits for them and re-raises. The first error of any writer is raised
 once every writer has stopped.
 """
@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from .copy import Copier, coalesce
+from .file_ranges import Copier, coalesce
 from .writer import FileWriter
 
 WRITERS = 2  # threads; at most one per core and one per rank file

@@ -22,7 +22,7 @@ from ..errors import CheckpointError
 from ..fileio import read_chunks as _read_file_chunks
 from ..fileio import read_json, require_inside
 from ..sources.safetensors_file import StHeader, read_header
-from .copy import Copier, FileRange
+from .file_ranges import Copier, FileRange
 from .flat_writer import all_buffers, file_slots
 from .format import (
     INDEX_FORMAT,

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..engine.layout import BufferLayout, FlatEntry, Layout, check_layout, round_up
 from ..errors import CheckpointError
-from .copy import Copier
+from .file_ranges import Copier
 from .flat_writer import write_flat, zeros
 from .reader import FlatCheckpoint, open_flat
 from .results import Progress, ReshardResult

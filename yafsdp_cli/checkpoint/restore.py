@@ -2,7 +2,7 @@
 
 Every entry's slice and every kept tensor is copied out by byte ranges, so each
 tensor is bit for bit what the source held. The bytes are read once: each range
-is copied and checksummed in one pass (``copy.Copier`` with a ledger), then
+is copied and checksummed in one pass (``file_ranges.Copier`` with a ledger), then
 ``verify`` combines those checksums with what was not copied (padding, replicas),
 read there, and compares them with the stored ones before the output is renamed. Tied names follow
 ``safetensors.torch.save_model``: a tied tensor is stored once, under its first
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..engine import dtypes
 from ..errors import CheckpointError
-from .copy import Copier
+from .file_ranges import Copier
 from .flat_writer import stored_kept
 from .format import YAFSDP_KEYS, TensorSlot
 from .reader import FlatCheckpoint, StateDictItem, open_flat

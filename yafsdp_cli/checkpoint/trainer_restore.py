@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .copy import Copier
+from .file_ranges import Copier
 from .format import YAFSDP_KEYS
 from .optim_state import file_bytes
 from .reader import FlatCheckpoint, StateDictItem

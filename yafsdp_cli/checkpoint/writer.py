@@ -4,7 +4,7 @@
 tensor: the header goes first (every offset is known from the slots), with
 fixed-width placeholder checksums, and the file is sized whole at once, so that
 zeros (padding) are skipped rather than written and read back as zeros (holes
-where the file system has them); each tensor's pieces (``copy.py``: file ranges,
+where the file system has them); each tensor's pieces (``file_ranges.py``: file ranges,
 zeros, bytes) then follow in data order, hashed on the way; ``finish()`` rewrites
 the header in place with the real checksums (same length by construction).
 
@@ -52,7 +52,7 @@ from pathlib import Path
 from ..engine import dtypes
 from ..errors import CheckpointError, printable
 from ..fileio import WRITTEN, write_error
-from .copy import Copier, FileRange, Zeros, coalesce, size_of, write_at
+from .file_ranges import Copier, FileRange, Zeros, coalesce, size_of, write_at
 from .format import INDEX_NAME, KEY_CHECKSUMS, Checksum, TensorSlot, data_order, placeholder
 
 PAGE = 4096

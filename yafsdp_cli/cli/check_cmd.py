@@ -172,7 +172,7 @@ def _written(path: Path, current) -> str:
 
 def _write_page(html: Path | None, result, report) -> None:
     if html is not None:
-        from ..report.html import check_page
+        from ..report.html_pages import check_page
 
         write_html(html, check_page(result, report))
 

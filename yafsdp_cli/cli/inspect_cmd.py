@@ -73,8 +73,8 @@ def inspect_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
-        from ..inspect.build import inspect_model
-        from ..inspect.inspect_options import InspectOptions
+        from ..inspection.build import inspect_model
+        from ..inspection.inspect_options import InspectOptions
         from ..report import inspect_view as view
         from ..sources import load_source
 
@@ -82,7 +82,7 @@ def inspect_command(
         loaded = load_source(source, model=model, trust_pickle=trust_pickle)
         report = inspect_model(loaded, opts, model=model)
         if html is not None:
-            from ..report.html import inspect_page
+            from ..report.html_pages import inspect_page
 
             write_html(html, inspect_page(report))
         render(view, report, fmt, show_all=show_all, explain=explain)

@@ -118,7 +118,7 @@ def profile_command(
                 source, model=model, trust_pickle=trust_pickle, opts=opts, progress=bar
             )
         if html is not None:
-            from ..report.html import profile_page
+            from ..report.html_pages import profile_page
 
             write_html(html, profile_page(report))
         render(view, report, fmt, explain=explain)

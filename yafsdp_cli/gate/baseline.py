@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import YafsdpError
 from ..fileio import read_json
-from ..inspect.inspect_options import InspectOptions
+from ..inspection.inspect_options import InspectOptions
 from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 from ..options import StepOptions
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import YafsdpError
-from ..inspect.build import InspectReport, inspect_model
+from ..inspection.build import InspectReport, inspect_model
 from ..options import StepOptions
 from ..sources import load_source
 from ..sources.adapted import adapt

@@ -27,7 +27,7 @@ from functools import cache
 
 from ..engine.plan import plan
 from ..errors import YafsdpError
-from ..inspect.build import retype_params
+from ..inspection.build import retype_params
 from ..profiling import ProfileOptions
 from ..timing import (
     DEFAULT_OBJECTIVE,

@@ -19,7 +19,7 @@ import time
 from functools import cache
 
 from ..engine.plan import plan
-from ..inspect.build import retype_params
+from ..inspection.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, keeps_margin
 from ..sources import load_source

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..engine.plan import plan
-from ..inspect.build import retype_params
+from ..inspection.build import retype_params
 from ..memory import estimate_memory
 from ..memory.step_schemes import (
     WHOLE_PARAMS,

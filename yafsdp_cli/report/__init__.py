@@ -4,6 +4,6 @@ This layer computes nothing; it turns bytes into GiB and dataclasses into text.
 
 One view per result: ``inspect_view`` (with ``fsdp`` and ``bars``), ``verify_view``,
 ``profile_view``, ``plan_view``, ``checkpoint_view`` and ``gate_view``; the HTML
-pages (``html``, ``html_base``, ``html_charts``, ``html_layout``); and what they all
+pages (``html_pages``, ``html_base``, ``html_charts``, ``html_layout``); and what they all
 share (``formatting``). It may import every library room; only ``cli`` imports it.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..inspect.build import InspectReport, SchemeMemory
+from ..inspection.build import InspectReport, SchemeMemory
 from .formatting import Section, human_bytes
 
 WHY = (

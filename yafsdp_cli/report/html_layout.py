@@ -16,7 +16,7 @@ import bisect
 
 from ..engine import dtypes
 from ..engine.layout import FlatEntry
-from ..inspect.build import BufferInfo, InspectReport
+from ..inspection.build import BufferInfo, InspectReport
 from .formatting import human_bytes
 from .html_base import WIDTH, esc, num, section_html, x
 from .inspect_view import buffer_section, shard_section

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..engine import dtypes
-from ..inspect.build import SCHEMA, BufferInfo, InspectReport, shard_rows
+from ..inspection.build import SCHEMA, BufferInfo, InspectReport, shard_rows
 from .formatting import (
     Section,
     answer_markdown,

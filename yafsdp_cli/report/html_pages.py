@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..inspect.build import InspectReport
+from ..inspection.build import InspectReport
 from .formatting import human_bytes, human_count
 from .html_base import StackRow, cards, esc, notes_html, page, section_html, stacked_bars
 from .html_charts import plan_heatmap, timeline_svg
