@@ -215,3 +215,31 @@ def test_no_module_shadows_a_standard_module_the_package_imports():
     assert {"copy", "inspect", "html", "json", "os"} <= imported  # the check sees them
     shadows = {s: where for s, where in stems(sorted(PKG.rglob("*.py"))).items() if s in imported}
     assert not shadows, f"modules named as standard modules the package imports: {shadows}"
+
+
+def test_every_reader_answers_the_whole_reader_protocol():
+    """``convert`` calls a reader's capabilities directly: each reader class has every
+    method the protocol names, and nothing in the package probes a reader by name."""
+    from yafsdp_cli.sources.dcp_folder import DcpReader
+    from yafsdp_cli.sources.hf_readers import PretrainedReader, RenamedReader
+    from yafsdp_cli.sources.loaded import TensorReader
+    from yafsdp_cli.sources.safetensors_file import SafetensorsReader
+    from yafsdp_cli.sources.torch_file import TensorDictReader
+
+    wanted = {n for n, v in vars(TensorReader).items() if callable(v) and not n.startswith("_")}
+    assert {"file_ranges", "check_copied", "files", "iter_bytes"} <= wanted
+    readers = (SafetensorsReader, DcpReader, TensorDictReader, RenamedReader, PretrainedReader)
+    for cls in readers:
+        missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
+        assert not missing, f"{cls.__name__} lacks {missing}"
+    probes = [
+        f"{path.relative_to(PKG)}:{node.lineno}"
+        for path in sorted(PKG.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and "reader" in ast.unparse(node.args[0]).split(".")[-1]
+        and isinstance(node.args[1], ast.Constant)
+    ]
+    assert not probes, f"a reader probed by getattr/hasattr: {probes}"

@@ -193,7 +193,7 @@ def with_weights(loaded: LoadedModel) -> LoadedModel:
 
 
 def input_files(loaded: LoadedModel) -> list[Path]:
-    files = [h.path for h in getattr(loaded.reader, "headers", ())]
+    files = loaded.reader.files() if loaded.reader is not None else []
     if loaded.path is not None:
         files.append(loaded.path)
     return files
@@ -229,7 +229,7 @@ class _Reads:
     def pieces(self, record, nbytes: int) -> Iterator:
         """The tensor as file ranges where the reader knows them, else its bytes."""
         stored = self._stored(record, nbytes)
-        ranges = _ranges(self.loaded.reader, stored)
+        ranges = self.loaded.reader.file_ranges(stored)
         if ranges is None:
             yield from self.tensor(record, nbytes)
             return
@@ -245,10 +245,10 @@ class _Reads:
         (so the writer may copy them in any order; streamed bytes must be read in
         order)."""
         records = [e for b in layout.buffers for e in b.entries] + list(stored_kept(layout))
-        if any(_ranges(self.loaded.reader, self.loaded.stored_name(r)) is None for r in records):
+        if any(self.loaded.reader.file_ranges(self.loaded.stored_name(r)) is None for r in records):
             return False
         return optim is None or all(
-            _ranges(self.training.reader, t.key) is not None for t in self.training.tensors
+            self.training.reader.file_ranges(t.key) is not None for t in self.training.tensors
         )
 
     def check_copied(self, copier: Copier) -> None:
@@ -256,9 +256,10 @@ class _Reads:
         against the CRC-32s ``copier`` read back while copying."""
         readers = [self.loaded.reader, getattr(self.training, "reader", None)]
         for reader in readers:
-            check = getattr(reader, "check_copied", None)
-            if check is not None:
-                check(lambda path, offset, n: copier.crc_of_copied(FileRange(path, offset, n)))
+            if reader is not None:
+                reader.check_copied(
+                    lambda path, offset, n: copier.crc_of_copied(FileRange(path, offset, n))
+                )
 
     def tensor(self, record, nbytes: int) -> Iterator[memoryview]:
         """The tensor's bytes, in chunks (each valid until the next)."""
@@ -277,7 +278,7 @@ class _Reads:
         if key is None:
             yield from zeros(nbytes)
             return
-        ranges = _ranges(self.training.reader, key)
+        ranges = self.training.reader.file_ranges(key)
         if ranges is not None:
             have = sum(n for _, _, n in ranges)
             if have != nbytes:
@@ -307,17 +308,6 @@ class _Reads:
                 yield from self.state(e, field, e.numel * isz)
             pos = e.offset + e.numel
         yield from zeros((b.padded_numel - pos) * isz)
-
-
-def _ranges(reader, name: str) -> list | None:
-    """``[(path, offset, nbytes), ...]`` of a tensor's bytes where its reader knows
-    them (``file_ranges``, or one ``file_range``), else None."""
-    many = getattr(reader, "file_ranges", None)
-    if many is not None:
-        return many(name)
-    one = getattr(reader, "file_range", None)
-    found = one(name) if one is not None else None
-    return None if found is None else [found]
 
 
 def round_trip(

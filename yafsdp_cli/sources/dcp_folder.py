@@ -218,6 +218,9 @@ class DcpReader:
         self.handed.extend(pieces)
         return [(p.path, p.offset, p.nbytes) for p in pieces]
 
+    def files(self) -> list[Path]:
+        return list(self.md.files)
+
     def check_copied(self, crc_of) -> None:
         """Every piece handed out as a range matches its member's stored CRC-32;
         ``crc_of(path, offset, nbytes)`` gives the CRC of a range (read back by the

@@ -6,6 +6,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from .loaded import ReaderBase
+
 
 class RenamedReader:
     """A reader that answers to the architecture's names for differently stored ones."""
@@ -23,15 +25,20 @@ class RenamedReader:
     def iter_bytes(self, name: str, *args, **kwargs):
         return self.reader.iter_bytes(self.mapping.get(name, name), *args, **kwargs)
 
-    def file_range(self, name: str):
-        locate = getattr(self.reader, "file_range", None)
-        return locate(self.mapping.get(name, name)) if locate else None
+    def file_ranges(self, name: str):
+        return self.reader.file_ranges(self.mapping.get(name, name))
+
+    def check_copied(self, crc_of) -> None:
+        self.reader.check_copied(crc_of)
+
+    def files(self) -> list[Path]:
+        return self.reader.files()
 
     def load(self, name: str):
         return self.reader.load(self.mapping.get(name, name))
 
 
-class PretrainedReader:
+class PretrainedReader(ReaderBase):
     """Tensors as ``from_pretrained`` makes them, loaded (for real) on first use."""
 
     def __init__(self, build, path: Path):

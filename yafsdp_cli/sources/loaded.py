@@ -31,7 +31,10 @@ def cwd_importable() -> None:
 
 
 class TensorReader(Protocol):
-    """Byte access to a source's tensors (names as stored; tied names may be absent)."""
+    """Byte access to a source's tensors (names as stored; tied names may be absent),
+    and everything ``convert`` asks of a reader: where the bytes lie, so that they can
+    be copied file to file, and the files read, so that an output is never one of
+    them. ``ReaderBase`` gives the answers of a reader with no files behind it."""
 
     def names(self) -> list[str]: ...
 
@@ -40,6 +43,35 @@ class TensorReader(Protocol):
     def iter_bytes(self, name: str, chunk: int = ...) -> Any: ...  # Iterator[memoryview]
 
     def load(self, name: str) -> Any: ...  # torch.Tensor
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """``(path, offset, nbytes)`` of each piece of the tensor's bytes, in order, or
+        None where they are not plain file bytes (held in memory, or read by torch)."""
+        ...
+
+    def check_copied(self, crc_of) -> None:
+        """After a copy of ranges handed out by ``file_ranges``: check them against
+        what the reader knows (a stored CRC-32); ``crc_of(path, offset, nbytes)`` is
+        the CRC of a range as the copier read it back."""
+        ...
+
+    def files(self) -> list[Path]:
+        """The files whose bytes the reader gives (an output must be none of them)."""
+        ...
+
+
+class ReaderBase:
+    """A reader's optional capabilities, for one with no files behind it: no ranges to
+    copy, nothing to check after a copy, no files read."""
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        return None
+
+    def check_copied(self, crc_of) -> None:
+        return None
+
+    def files(self) -> list[Path]:
+        return []
 
 
 @dataclass

@@ -212,11 +212,17 @@ class SafetensorsReader:
         what = f"inside tensor {name!r}"
         return read_chunks(e.path, e.file_offset, e.nbytes, chunk, error=SourceError, what=what)
 
-    def file_range(self, name: str) -> tuple[Path, int, int]:
-        """Where the tensor's bytes lie: ``(path, file offset, nbytes)``, so that
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
+        """Where the tensor's bytes lie: one ``(path, file offset, nbytes)``, so that
         they can be copied file to file without passing through this process."""
         e = self.entries[name]
-        return e.path, e.file_offset, e.nbytes
+        return [(e.path, e.file_offset, e.nbytes)]
+
+    def check_copied(self, crc_of) -> None:
+        """Nothing to check: safetensors stores no checksums."""
+
+    def files(self) -> list[Path]:
+        return [h.path for h in self.headers]
 
     def load(self, name: str):
         """One tensor as a new torch tensor (copies the bytes; torch is imported here)."""

@@ -22,7 +22,7 @@ from torch import nn
 from ..engine import dtypes
 from ..errors import SourceError, cut
 from ..fileio import read_json
-from .loaded import cwd_importable
+from .loaded import ReaderBase, cwd_importable
 from .pickle_guard import PickleShapeError, check_pickle
 from .shards import shard_names, shard_path
 
@@ -229,7 +229,7 @@ def shared_names(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return aliases
 
 
-class TensorDictReader:
+class TensorDictReader(ReaderBase):
     """Byte access to in-memory (or mmapped) tensors by name."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):

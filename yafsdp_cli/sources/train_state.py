@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import SourceError
 from .dcp_folder import OPTIMIZER_KEYS, DcpReader, cause
-from .loaded import LoadedModel
+from .loaded import LoadedModel, TensorReader
 from .state import IntKey
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -54,7 +54,7 @@ class TrainingState:
     tensors: tuple[StateTensor, ...]
     scalars: dict[str, dict[str, Any]]  # param -> field -> scalar state (step)
     extras: tuple[tuple[tuple, Any], ...]  # (key path, value): everything else
-    reader: Any  # .iter_bytes(key, chunk) for the state tensors
+    reader: TensorReader | None  # the state tensors, by their keys
     where: str
     # a Trainer folder's other files, as they are, and each weights file's stored names
     files: dict[str, bytes] = dataclasses.field(default_factory=dict)
