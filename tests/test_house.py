@@ -18,6 +18,7 @@ PKG = Path(__file__).resolve().parent.parent / "yafsdp_cli"
 RANKS = {
     "errors": 0,
     "lazy": 0,
+    "gpu_table": 0,
     "fileio": 1,
     "numbers": 1,
     "engine": 2,

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import YafsdpError
+from ..gpu_table import NAMES as GPU_NAMES
 from ..numbers import (
     MAX_COUNT,
     MAX_SEED,
@@ -204,8 +205,7 @@ GpuOpt = Annotated[
     str | None,
     typer.Option(
         "--gpu",
-        help="A100-40GB | A100-80GB | H100-SXM | H100-PCIe | H200 | B200 | L40S | MI300X: "
-        "times each step; sets --gpu-memory.",
+        help=f"{' | '.join(GPU_NAMES)}: times each step; sets --gpu-memory.",
         metavar="NAME",
     ),
 ]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..engine import dtypes
 from ..engine.choices import check_checkpointing
 from ..errors import YafsdpError
+from ..gpu_table import GIB, MIB
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..memory.step_schemes import check_schemes
@@ -32,7 +33,7 @@ from ..options import (
     StepOptions,
 )
 from ..options.sizes import parse_size, si_echo
-from ..timing.gpu_specs import GIB, GPUS, MIB
+from ..timing.gpu_specs import GPUS
 
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too

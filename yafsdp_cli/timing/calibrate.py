@@ -42,6 +42,7 @@ from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
 from ..errors import YafsdpError
+from ..gpu_table import DEVICE_NAMES
 from ..profiling.precision import Masters, cast_params
 from ..profiling.profile_options import ProfileOptions
 from .gpu_profile import GpuProfile
@@ -50,17 +51,6 @@ from .roofline import Efficiency
 from .step_costs import count_step
 from .step_estimate import estimate_step
 
-# the table's GPU for a CUDA device name, most specific first
-DEVICE_NAMES = (
-    ("H100 PCIe", "H100-PCIe"),
-    ("H100", "H100-SXM"),
-    ("H200", "H200"),
-    ("B200", "B200"),
-    ("A100-SXM4-40GB", "A100-40GB"),
-    ("A100", "A100-80GB"),
-    ("L40S", "L40S"),
-    ("MI300X", "MI300X"),
-)
 COPY_BYTES = 1 << 30  # far beyond any cache: what HBM streams
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..errors import YafsdpError
 from ..fileio import read_json
+from ..gpu_table import ROWS
 from ..numbers import (
     MAX_BYTES,
     MAX_BYTES_PER_S,
@@ -40,7 +41,6 @@ from ..numbers import (
     shown,
 )
 
-MIB, GIB = 1 << 20, 1 << 30
 TERA, GIGA = 1e12, 1e9
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "gpu.schema.json"
 MAX_PROFILE_BYTES = 1 << 20
@@ -82,28 +82,7 @@ def _gpu(name, memory, bf16, fp8, fp32, hbm, link, per_node, source) -> GpuSpec:
     )
 
 
-# name, memory, bf16, fp8, fp32 (TFLOP/s dense), HBM, link one way (GB/s), per node
-GPUS = {
-    g.name.lower(): g
-    for g in (
-        _gpu("A100-40GB", 40 * GIB, 312, 0, 19.5, 1555, 300, 8,
-             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB; NVLink 3, 600 GB/s)"),
-        _gpu("A100-80GB", 80 * GIB, 312, 0, 19.5, 2039, 300, 8,
-             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB; NVLink 3, 600 GB/s)"),
-        _gpu("H100-SXM", 81559 * MIB, 989.4, 1978.9, 66.9, 3350, 450, 8,
-             "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM; NVLink 4, 900 GB/s)"),
-        _gpu("H100-PCIe", 81559 * MIB, 756, 1513, 51, 2000, 64, 8,
-             "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe; PCIe Gen5, 128 GB/s)"),
-        _gpu("H200", 143771 * MIB, 989.4, 1978.9, 66.9, 4800, 450, 8,
-             "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; NVLink 4, 900 GB/s)"),
-        _gpu("B200", 183359 * MIB, 2250, 4500, 75, 8000, 900, 8,
-             "NVIDIA DGX B200 datasheet (per GPU, dense; NVLink 5, 1.8 TB/s)"),
-        _gpu("L40S", 46068 * MIB, 362.05, 733, 91.6, 864, 32, 8,
-             "NVIDIA L40S datasheet (48GB GDDR6 with ECC; PCIe Gen4 x16, 64 GB/s)"),
-        _gpu("MI300X", 192 * GIB, 1307.4, 2614.9, 163.4, 5300, 448, 8,
-             "AMD Instinct MI300X datasheet (7 Infinity Fabric links, 64 GB/s each way)"),
-    )
-}  # fmt: skip
+GPUS = {row[0].lower(): _gpu(*row[:8], row[9]) for row in ROWS}
 
 
 def gpu_spec(name: str) -> GpuSpec:
