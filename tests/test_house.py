@@ -7,6 +7,8 @@ inside functions alike: a lazy import that closes a cycle is still a cycle.
 from __future__ import annotations
 
 import ast
+import inspect
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -233,6 +235,15 @@ def test_every_reader_answers_the_whole_reader_protocol():
     for cls in readers:
         missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
         assert not missing, f"{cls.__name__} lacks {missing}"
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        shadowed = [
+            t.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+            if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self" and t.attr in wanted
+        ]
+        assert not shadowed, f"{cls.__name__} sets {shadowed} on an instance, over the method"
     probes = [
         f"{path.relative_to(PKG)}:{node.lineno}"
         for path in sorted(PKG.rglob("*.py"))

@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.errors import YafsdpError
+from yafsdp_cli.gpu_table import MIB
 from yafsdp_cli.options import check_reserve, parse_size, si_echo
 from yafsdp_cli.planning import gpu_memory_notes
-from yafsdp_cli.timing.gpu_specs import MIB, gpu_spec
+from yafsdp_cli.timing.gpu_specs import gpu_spec
 
 runner = CliRunner()
 GPT = ["plan", "--model", "sample_models.models:gpt"]

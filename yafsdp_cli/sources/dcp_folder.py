@@ -185,7 +185,6 @@ class DcpReader:
     def __init__(self, md: DcpMetadata, fqns: dict[str, str]):
         self.md = md
         self.fqns = fqns  # weight name -> fqn
-        self.files = (md.folder / METADATA_NAME, *md.files)  # every file read
         self._storage = None
         self._pieces: dict[str, list[ChunkBytes] | None] = {}
         self.handed: list[ChunkBytes] = []  # pieces given out as file ranges, to check
@@ -219,7 +218,7 @@ class DcpReader:
         return [(p.path, p.offset, p.nbytes) for p in pieces]
 
     def files(self) -> list[Path]:
-        return list(self.md.files)
+        return [self.md.folder / METADATA_NAME, *self.md.files]
 
     def check_copied(self, crc_of) -> None:
         """Every piece handed out as a range matches its member's stored CRC-32;
