@@ -48,6 +48,11 @@ def cut(text: str, limit: int = 200) -> str:
     return printable(text[:limit]) + ("..." if len(text) > limit else "")
 
 
+# Python converts an int of at most 4300 digits to text (``sys.int_info``); its
+# digits are quoted up to there, cut like any other text
+_INT_BITS = 14_000
+
+
 def excerpt(value: object, limit: int = 80) -> str:
     """At most ``limit`` characters of ``value``'s ``repr``, for a message about a
     value read from a file. Built piece by piece and stopped at the limit, so a
@@ -89,8 +94,8 @@ def excerpt(value: object, limit: int = 80) -> str:
                 put(", " if i else "")
                 walk(x, depth + 1)
             put("]" if isinstance(v, list) else ("," if len(v) == 1 else "") + ")")
-        elif isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 4 * limit:
-            put(f"<a {v.bit_length()}-bit number>")  # str() of it costs quadratic time
+        elif isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > _INT_BITS:
+            put(f"<a {v.bit_length()}-bit number>")  # Python refuses to str() it
         elif isinstance(v, (str, bytes, bytearray)):
             put(printable(repr(v[: limit + 1])))
         else:

@@ -34,10 +34,18 @@ def require_file(path: Path, *, error: type[YafsdpError] = SourceError) -> int:
         st = os.stat(path)
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO, socket or device"
+    kind = not_a_file(st.st_mode)
+    if kind is not None:
         raise error(f"{path}: not a regular file ({kind}); give a weights file")
     return st.st_size
+
+
+def not_a_file(mode: int) -> str | None:
+    """What a path of ``stat`` mode ``mode`` is when it is no regular file ("a
+    folder", "a FIFO, socket or device"), or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
 
 
 def read_capped(
@@ -84,11 +92,16 @@ def outside_link(folder: Path, path: Path) -> bool:
     ``blobs/``, which is how the hub stores every file it downloads."""
     root = os.path.realpath(folder)
     real = os.path.realpath(path)
-    if os.path.commonpath([root, real]) == root:
+    return os.path.commonpath([root, real]) != root and not in_hub_blobs(folder, real)
+
+
+def in_hub_blobs(folder: Path, target: str | Path) -> bool:
+    """Whether ``target`` (resolved) is a file of the Hugging Face hub cache's
+    ``blobs/`` that ``folder``, a ``snapshots/REV/`` of the same repo, links to."""
+    snapshots = os.path.dirname(os.path.realpath(folder))
+    if os.path.basename(snapshots) != "snapshots":
         return False
-    snapshots = os.path.dirname(root)
-    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
-    return not (os.path.basename(snapshots) == "snapshots" and os.path.dirname(real) == blobs)
+    return os.path.dirname(target) == os.path.join(os.path.dirname(snapshots), "blobs")
 
 
 def require_inside(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import YafsdpError
+from .errors import YafsdpError, printable
 
 MAX_BYTES = 1 << 60
 MAX_COUNT = 1 << 20
@@ -52,7 +52,7 @@ def shown(value) -> str:
         digits = int(value.bit_length() * math.log10(2)) + 1
         return f"{'-' if value < 0 else ''}a number of about {digits} digits"
     text = value if isinstance(value, str) else repr(value)
-    text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    text = printable(text)
     return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
 
 

@@ -206,8 +206,8 @@ def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
 def test_a_signal_just_after_the_rename_says_the_output_is_whole(
     flat, tmp_path, command, sig, code
 ):
-    """A real process, signalled the moment its output is in place (the issue's 20-30
-    ms before the end): exit 130/143, and a line saying the output was written in
+    """A real process, signalled the moment its output is in place (20-30 ms before
+    the end of a sharded convert): exit 130/143, and a line saying the output was written in
     full, which it is (the same as an undisturbed run's)."""
     folder, reference = tmp_path / "out", tmp_path / "ref"
     folder.mkdir()

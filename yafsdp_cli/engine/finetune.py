@@ -19,13 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import YafsdpError
+from ..errors import YafsdpError, excerpt
 
 _LORA_SYNTAX = "write it like r=16,alpha=32,targets=q_proj,v_proj"
 # A rank is a layer's width: past int32 it is no layer's, and torch's sizes of
 # rank x features would overflow before the check against the layers could run
 MAX_RANK = 2**31 - 1
-_SHOWN = 80  # characters of a value echoed in a message
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +42,7 @@ def parse_lora(text: str) -> LoraSettings:
     ``YafsdpError`` naming what is wrong. A part without ``=`` continues the
     ``targets`` list, so module names are separated by commas as everywhere else."""
     if not isinstance(text, str):  # a baseline's recorded inputs are a file's
-        raise YafsdpError(f"--lora {shown(text)} is not text; {_LORA_SYNTAX}")
+        raise YafsdpError(f"--lora {excerpt(text)} is not text; {_LORA_SYNTAX}")
     fields: dict[str, str] = {}
     targets: list[str] = []
     last = None
@@ -58,11 +57,13 @@ def parse_lora(text: str) -> LoraSettings:
         elif part and not eq and last == "targets":
             targets.append(part)
         elif part:
-            raise YafsdpError(f"--lora {shown(text)}: cannot read {shown(part)}; {_LORA_SYNTAX}")
+            raise YafsdpError(
+                f"--lora {excerpt(text)}: cannot read {excerpt(part)}; {_LORA_SYNTAX}"
+            )
     if last is None or "r" not in fields:
-        raise YafsdpError(f"--lora {shown(text)} has no rank r=N; {_LORA_SYNTAX}")
+        raise YafsdpError(f"--lora {excerpt(text)} has no rank r=N; {_LORA_SYNTAX}")
     if not targets:
-        raise YafsdpError(f"--lora {shown(text)} names no targets; {_LORA_SYNTAX}")
+        raise YafsdpError(f"--lora {excerpt(text)} names no targets; {_LORA_SYNTAX}")
     r = _number(text, "r", fields["r"], int)
     alpha = _number(text, "alpha", fields.get("alpha", str(r)), float)
     dropout = _number(text, "dropout", fields.get("dropout", "0"), float)
@@ -73,7 +74,7 @@ def parse_lora(text: str) -> LoraSettings:
     ):
         wrong = problem(value)
         if wrong:
-            raise YafsdpError(f"--lora {shown(text)}: {key}={fields.get(key, value)} {wrong}")
+            raise YafsdpError(f"--lora {excerpt(text)}: {key}={fields.get(key, value)} {wrong}")
     return LoraSettings(r=r, alpha=alpha, targets=tuple(targets), dropout=dropout)
 
 
@@ -82,7 +83,7 @@ def _number(text: str, key: str, value: str, kind):
         return kind(value)
     except ValueError:
         what = "a whole number" if kind is int else "a number"
-        raise YafsdpError(f"--lora {shown(text)}: {key}={shown(value)} is not {what}") from None
+        raise YafsdpError(f"--lora {excerpt(text)}: {key}={excerpt(value)} is not {what}") from None
 
 
 def rank_problem(value) -> str | None:
@@ -112,19 +113,3 @@ def dropout_problem(value) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "is not a number"
     return None if 0 <= value < 1 else "must be in [0, 1)"  # NaN is neither
-
-
-def shown(value) -> str:
-    """``value`` as a message echoes it: its repr (control characters escaped), cut
-    to ``_SHOWN`` characters."""
-    return _cut(repr(value))
-
-
-def excerpt(text: str, limit: int = 3 * _SHOWN) -> str:
-    """``text`` (a library's message) as a message echoes it unquoted: control
-    characters escaped, cut to ``limit`` characters."""
-    return _cut("".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit]), limit)
-
-
-def _cut(text: str, limit: int = _SHOWN) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

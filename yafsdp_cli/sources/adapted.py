@@ -42,9 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.filters import describe, parse_filter
-from ..engine.finetune import excerpt, shown
 from ..engine.records import ModelSpec
-from ..errors import FilterError, SourceError, YafsdpError
+from ..errors import FilterError, SourceError, YafsdpError, cut, excerpt
 from .loaded import LoadedModel
 
 PEFT_EXTRA = "pip install 'yafsdp-cli[peft]'"
@@ -80,7 +79,7 @@ class AdaptedModel(LoadedModel):
         names, so what copies a source's stored bytes (convert) is told to take the base."""
         if self.lora is not None and any("lora_" in n or ".base_layer." in n for n in record.names):
             raise SourceError(
-                f"{self.spec.source}: {shown(record.name)} is a LoRA model's tensor, held "
+                f"{self.spec.source}: {excerpt(record.name)} is a LoRA model's tensor, held "
                 "by no stored file under that name, so no flat checkpoint is written from "
                 f"it; convert its base ({self.base.spec.source})"
             )
@@ -238,7 +237,7 @@ def _quantize(module, kind: str) -> tuple[str, ...]:
 def lora_source(lora_text: str | None, weights) -> str:
     """Where an adapter's settings come from, as a message names it."""
     if lora_text is not None:
-        return f"--lora {shown(lora_text)}"
+        return f"--lora {excerpt(lora_text)}"
     return str(weights.config) if weights is not None else "the LoRA adapter"
 
 
@@ -283,14 +282,14 @@ def inject_lora(module, lora, weights=None, where: str = "the LoRA adapter"):
             wrapped = peft.get_peft_model(module, copy.deepcopy(lora))
         except (ValueError, TypeError, re.error) as exc:  # peft: no target found, bad config
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise YafsdpError(f"{where}: {excerpt(first)}") from None
+            raise YafsdpError(f"{where}: {cut(first)}") from None
         except Exception as exc:
             if weights is None:  # --lora, checked already: not the user's to fix
                 raise
             # an adapter folder's config is a file's: whatever peft cannot build from it
             first = (str(exc).strip().splitlines() or [""])[0]
             raise SourceError(
-                f"{where}: peft cannot build this adapter ({type(exc).__name__}: {excerpt(first)})"
+                f"{where}: peft cannot build this adapter ({type(exc).__name__}: {cut(first)})"
             ) from None
     if meta:
         _check_ranks(peft, wrapped, where)
@@ -334,7 +333,7 @@ def _check_shapes(peft, wrapped, state, weights) -> None:
         want = expected.get(name)
         if want is not None and tuple(want.shape) != tuple(tensor.shape):
             raise SourceError(
-                f"{weights.path}: {shown(name)} has shape {list(tensor.shape)}, but the base "
+                f"{weights.path}: {excerpt(name)} has shape {list(tensor.shape)}, but the base "
                 f"and {weights.config.name} make it {list(want.shape)}"
             )
 
@@ -345,12 +344,12 @@ def _load_adapter(peft, wrapped, state, weights) -> None:
     except RuntimeError as exc:  # a shape the check above could not match by name
         first = (str(exc).strip().splitlines() or [""])[-1].strip()
         raise SourceError(
-            f"{weights.path}: the adapter's weights do not fit the base ({excerpt(first)})"
+            f"{weights.path}: the adapter's weights do not fit the base ({cut(first)})"
         ) from None
     missing = [k for k in getattr(result, "unexpected_keys", ()) if "lora_" in k]
     if missing:
         raise SourceError(
-            f"{weights.path}: the adapter's weights do not fit the base: {shown(missing[0])}"
+            f"{weights.path}: the adapter's weights do not fit the base: {excerpt(missing[0])}"
         )
 
 

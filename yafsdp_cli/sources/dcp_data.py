@@ -102,16 +102,13 @@ def _open(md: DcpMetadata, fqn: str, info) -> Archive | None:
         raise _failed(md, fqn, exc) from None
 
 
-def _pickled(md: DcpMetadata, fqn: str, info, archive: Archive, sizes: list | None = None) -> Any:
-    """data.pkl's object (its size appended to ``sizes``); ``NeedsTorchError`` for
-    what only torch reads."""
+def _pickled(md: DcpMetadata, fqn: str, info, archive: Archive) -> Any:
+    """data.pkl's object; ``NeedsTorchError`` for what only torch reads."""
     where = _where(md, info)
     try:
         data = archive.read("data.pkl", MAX_PICKLE, where)
     except SourceError as exc:
         raise _failed(md, fqn, exc) from None
-    if sizes is not None:
-        sizes.append(len(data))
     try:
         return load_pickle(data)
     except NeedsTorchError:
@@ -202,10 +199,10 @@ def _value(md: DcpMetadata, fqn: str) -> Any:
     archive = _open(md, fqn, info)
     if archive is None:
         return _TORCH
-    sizes: list[int] = []
     try:
-        value = _pickled(md, fqn, info, archive, sizes)
-        walk = _Walk(archive, md, fqn, info, VALUE_ITEMS_PER_BYTE * sizes[0] + 1024)
+        value = _pickled(md, fqn, info, archive)
+        pickled = archive.members["data.pkl"].nbytes  # read whole just now
+        walk = _Walk(archive, md, fqn, info, VALUE_ITEMS_PER_BYTE * pickled + 1024)
         return _materialize(value, walk, 0)
     except NeedsTorchError:
         return _TORCH

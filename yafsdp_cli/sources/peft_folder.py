@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..engine.finetune import alpha_problem, dropout_problem, excerpt, rank_problem, shown
-from ..errors import SourceError
+from ..engine.finetune import alpha_problem, dropout_problem, rank_problem
+from ..errors import SourceError, cut, excerpt
 from ..fileio import read_json
 from .adapted import AdaptedModel, adapted, import_peft
 from .loaded import LoadedModel
@@ -94,7 +94,7 @@ def load_adapter_folder(
     if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
         kind = raw.get("peft_type") if isinstance(raw, dict) else None
         raise SourceError(
-            f"{path}: a PEFT adapter of type {shown(kind)}; yafsdp reads LoRA adapters"
+            f"{path}: a PEFT adapter of type {excerpt(kind)}; yafsdp reads LoRA adapters"
         )
     _check_config(path / CONFIG, raw)
     base_path = _base_folder(path, raw.get("base_model_name_or_path"))
@@ -113,19 +113,19 @@ def _check_config(config: Path, raw: dict) -> None:
     for key, problem in _NUMBERS:
         wrong = problem(raw[key]) if key in raw else None
         if wrong:
-            raise SourceError(f"{config}: {key} {shown(raw[key])} {wrong}")
+            raise SourceError(f"{config}: {key} {excerpt(raw[key])} {wrong}")
     for key, problem in _PATTERNS:
         if key not in raw:
             continue
         pattern = raw[key]
         if not isinstance(pattern, dict):  # null too: peft reads it as a mapping
             raise SourceError(
-                f"{config}: {key} {shown(pattern)} is not an object of module names and numbers"
+                f"{config}: {key} {excerpt(pattern)} is not an object of module names and numbers"
             )
         for name, value in pattern.items():
             wrong = problem(value)
             if wrong:
-                raise SourceError(f"{config}: {key}[{shown(name)}] {shown(value)} {wrong}")
+                raise SourceError(f"{config}: {key}[{excerpt(name)}] {excerpt(value)} {wrong}")
     for key in _MODULE_FIELDS:
         value = raw.get(key)
         if isinstance(value, str):
@@ -133,23 +133,25 @@ def _check_config(config: Path, raw: dict) -> None:
                 re.compile(value)  # peft matches a string with re.fullmatch
             except (re.error, RecursionError, OverflowError) as exc:
                 raise SourceError(
-                    f"{config}: {key} {shown(value)} is not a regular expression ({exc})"
+                    f"{config}: {key} {excerpt(value)} is not a regular expression ({exc})"
                 ) from None
         elif value is not None and not (
             isinstance(value, list) and all(isinstance(n, str) for n in value)
         ):
             raise SourceError(
-                f"{config}: {key} {shown(value)} is neither a list of module names nor a "
+                f"{config}: {key} {excerpt(value)} is neither a list of module names nor a "
                 "regular expression"
             )
     saved = raw.get("modules_to_save")
     if saved is not None and not (
         isinstance(saved, list) and all(isinstance(n, str) for n in saved)
     ):
-        raise SourceError(f"{config}: modules_to_save {shown(saved)} is not a list of module names")
+        raise SourceError(
+            f"{config}: modules_to_save {excerpt(saved)} is not a list of module names"
+        )
     if raw.get("bias", "none") not in _BIASES:
         raise SourceError(
-            f"{config}: bias {shown(raw['bias'])} is none of {', '.join(map(repr, _BIASES))}"
+            f"{config}: bias {excerpt(raw['bias'])} is none of {', '.join(map(repr, _BIASES))}"
         )
 
 
@@ -162,7 +164,7 @@ def _lora_config(config: Path, raw: dict):
     except Exception as exc:  # any field of a file peft could not take: the file's fault
         first = (str(exc).strip().splitlines() or [""])[0]
         raise SourceError(
-            f"{config}: peft refuses it ({type(exc).__name__}: {excerpt(first)})"
+            f"{config}: peft refuses it ({type(exc).__name__}: {cut(first)})"
         ) from None
     lora.inference_mode = False  # the adapter trains
     return lora
@@ -182,12 +184,12 @@ def _base_folder(path: Path, ref) -> Path:
                     else f"the adapter folder {candidate}"
                 )
                 raise SourceError(
-                    f"{path}/{CONFIG}: base_model_name_or_path {shown(ref)} is {what}, not "
+                    f"{path}/{CONFIG}: base_model_name_or_path {excerpt(ref)} is {what}, not "
                     "a base model; set it to the base model's folder"
                 )
             return candidate
     raise SourceError(
-        f"{path}: the adapter's base {shown(ref)} is not a local folder (yafsdp does not "
+        f"{path}: the adapter's base {excerpt(ref)} is not a local folder (yafsdp does not "
         f"download); download it and set base_model_name_or_path in {CONFIG} to its path"
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SourceError
+from ..fileio import in_hub_blobs
 
 
 def shard_names(index: Path, weight_map: dict) -> list[str]:
@@ -36,7 +37,7 @@ def shard_path(index: Path, name: object) -> Path:
     path = index.parent / text
     if path.is_symlink():
         target = path.resolve()
-        if target.parent != index.parent.resolve() and not _in_hub_blobs(index.parent, target):
+        if target.parent != index.parent.resolve() and not in_hub_blobs(index.parent, target):
             raise SourceError(
                 f"{index}: weight_map names {text!r}, a link to {target}, outside its folder; "
                 "copy the shard itself beside the index"
@@ -44,10 +45,3 @@ def shard_path(index: Path, name: object) -> Path:
     if not path.exists():
         raise SourceError(f"{index}: weight_map names {text!r}, which does not exist")
     return path
-
-
-def _in_hub_blobs(folder: Path, target: Path) -> bool:
-    snapshots = folder.parent
-    if snapshots.name != "snapshots":
-        return False
-    return target.parent == (snapshots.parent / "blobs").resolve()

@@ -30,12 +30,11 @@ not a folder without optimizer state: converting its weights alone is
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError
-from ..fileio import read_capped, require_inside
+from ..fileio import not_a_file, read_capped, require_inside
 from .loaded import LoadedModel
 from .safetensors_file import SafetensorsReader
 
@@ -87,11 +86,10 @@ def _optimizer_file(folder: Path, where: str) -> Path:
     path = folder / OPTIMIZER_FILE
     require_inside(folder, path, where=where)
     try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISREG(mode):
+        what = not_a_file(os.stat(path).st_mode)
+        if what is None:
             with open(path, "rb"):  # a regular file opens without blocking
                 return path
-        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
         why = f"not a regular file ({what})"
     except OSError as exc:
         why = f"cannot read ({exc.strerror})"
@@ -146,15 +144,16 @@ def _carried_files(folder: Path, skip: set[str], where: str) -> dict[str, bytes]
             raise SourceError(
                 f"{p}: cannot read ({exc.strerror}); move it out, or pass --weights-only"
             ) from None
-        if stat.S_ISDIR(st.st_mode):
+        what = not_a_file(st.st_mode)
+        if what == "a folder":
             raise SourceError(
                 f"{where}: {p.name} is not a file; a Trainer checkpoint's files are carried, "
                 "its subfolders are not; move it out, or pass --weights-only"
             )
-        if not stat.S_ISREG(st.st_mode):
+        if what is not None:
             raise SourceError(
-                f"{where}: {p.name} is a FIFO, socket or device, not a file to carry; move it "
-                "out, or pass --weights-only"
+                f"{where}: {p.name} is {what}, not a file to carry; move it out, or pass "
+                "--weights-only"
             )
         sizes[p.name] = st.st_size
     if sum(sizes.values()) > MAX_FILES_BYTES:
