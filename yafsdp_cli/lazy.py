@@ -4,7 +4,7 @@ A command pays for every module it imports before it copies a byte, and a
 frozen dataclass costs about half a millisecond to build: ``restore`` has no use
 for the source readers or ``convert``'s planning. A package lists where each name
 lives, imports those modules only under ``TYPE_CHECKING`` (so readers, type checkers
-and ``tests/test_house.py`` still see the edges), and forwards its module
+and ``tests/house/test_house.py`` still see the edges), and forwards its module
 ``__getattr__`` to ``attribute``.
 """
 

@@ -19,7 +19,7 @@ single_file_per_rank=False))`` writes in one process, byte for byte in structure
 Importing torch would cost more than copying a checkpoint of a few GiB
 (``python -m benchmarks.run convert_optim``), and no tensor is ever held in memory:
 a file's bytes move from the flat file to the archive by range.
-``tests/test_dcp_write.py`` checks the result against torch's own ``dcp.save`` of
+``tests/dcp/test_dcp_write.py`` checks the result against torch's own ``dcp.save`` of
 the same state (archives equal but for their random ids, metadata equal) and loads
 it with ``dcp.load`` and ``FileSystemReader().read_metadata()``.
 """

@@ -25,7 +25,7 @@ waiting in a collective the others never reach.
 
 Slicing the state is exact: AdamW is elementwise, so AdamW over a rank's shard
 equals that slice of AdamW over the whole buffer bit for bit (for-loop and foreach,
-float32 and bfloat16 on CPU: ``tests/test_resume_ranks.py``). Padding stays zero:
+float32 and bfloat16 on CPU: ``tests/checkpoint/test_resume_ranks.py``). Padding stays zero:
 its gradient is zero, so its weight and state stay zero.
 """
 

@@ -2,7 +2,7 @@
 
 [Note: FSDP2 placement]
 Read from torch 2.13 (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``,
-``_fsdp_collectives.py``) and measured on gloo by ``tests/test_fsdp2_truth.py``:
+``_fsdp_collectives.py``) and measured on gloo by ``tests/memory/test_fsdp2_truth.py``:
 
 - A unit is one ``fully_shard`` call: each repeated block, and the root for the rest.
 - Each parameter is cut on its shard dim ``k`` (``Shard(0)`` unless a

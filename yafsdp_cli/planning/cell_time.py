@@ -9,7 +9,7 @@ micro-batch's kernels come from those two, kernel by kernel: at a fixed sequence
 length a kernel's FLOPs and bytes are ``a + b * micro_batch`` (a product reads its
 weight once and its activations per sequence; an optimizer kernel does not depend on
 the batch at all), so two counts give both terms exactly, and the roofline then
-times each kernel as it would a direct count (``tests/test_plan_time.py`` checks the
+times each kernel as it would a direct count (``tests/planning/test_cell_time.py`` checks the
 line against the cell's own count). Where the two counts do not run the same kernels
 in the same order, every micro-batch is counted instead.
 

@@ -9,7 +9,7 @@ thread pools). A worker loads the source itself, from what the user gave (path,
 the pipe. Runs are taken from one queue, the dearest first by the workers and the
 cheapest first by this process, so the cores stay busy to the end. A fake step's
 figures do not depend on where it runs, so the plan is the same for any ``jobs``
-(``tests/test_plan.py`` checks it).
+(``tests/planning/test_plan.py`` checks it).
 
 The number of jobs, unless given: 1 for a model of fewer than ``PARALLEL_MODULES``
 modules, whose fake runs take less than a worker takes to start (importing torch and

@@ -17,7 +17,7 @@ tokens: 1 GiB at micro-batch 1, 12 GiB at 8), so neither a ratio to the step's b
 nor one figure for all micro-batches carries it well. Against each carried cell's own
 replay (``python -m benchmarks.run plan_reserved``: Llama shapes of 2, 4 and 6
 layers, world sizes 1-8, micro-batches 1-8, checkpointing on and off;
-``tests/test_plan_reserved.py`` on a tiny Llama) the carried reserved peak was 9.3%
+``tests/planning/test_reserved_fit.py`` on a tiny Llama) the carried reserved peak was 9.3%
 under to 14.6% over, 1-3% on average. So the cells the answer rests on, the best row
 and the advised one, are replayed from their own fake step before they are chosen
 (``settle``), and the report lists how far the carried figure was from the replay

@@ -85,7 +85,7 @@ def removing_grad_hooks():
     Each such hook keeps the graph nodes it watches in its closure and lives on those
     nodes in autograd's C++ side, where the garbage collector cannot see it: a cycle
     that keeps the step's graph, and through it the model's parameters, alive after
-    the profile returns (``tests/test_profile_reserved.py`` counts what outlives a
+    the profile returns (``tests/profiling/test_profile_reserved.py`` counts what outlives a
     call). ``ModTracker`` keeps no handles, so its call is wrapped to keep them."""
     from torch.distributed._tools import mod_tracker
 

@@ -365,7 +365,7 @@ def _cuda_reset(device: str):
     """Start the step's CUDA figures from a clean allocator: what the previous step, the
     conversion or the warm-up left cached goes back to the driver, and the peaks
     restart, so each step's reserved peak is its own (as the replay's is). Only on a
-    GPU; ``tests/test_profile_reserved.py`` checks the order with the calls stubbed."""
+    GPU; ``tests/profiling/test_profile_reserved.py`` checks the order with the calls stubbed."""
     if not _on_cuda(device):
         return None
     gc.collect()  # the previous step's graph and optimizer may sit in a cycle

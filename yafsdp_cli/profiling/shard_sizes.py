@@ -23,7 +23,7 @@ gradients), and after backward every fresh 1-D output of an op whose matching in
 (the same position of a foreach list) is a tagged tensor of the same shape.
 ``RecordedStep.at_world_size`` then rewrites the step's events with those blocks'
 sizes at another world size: the events a step run at that world size records
-(``tests/test_shard_sizes.py`` checks them event for event). ``plan`` takes its runs
+(``tests/profiling/test_shard_sizes.py`` checks them event for event). ``plan`` takes its runs
 at other world sizes so (``planning.measure``), one fake step per micro-batch and
 checkpointing choice instead of one per world size.
 

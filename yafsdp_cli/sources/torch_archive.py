@@ -333,7 +333,7 @@ def serialization_id(crcs: dict[str, int], sizes: dict[str, int]) -> bytes:
     then 20 of a hash of the CRC-32s of the records that hold bytes (``crcs``: every
     other member in write order), each combined as c10's ``hash_combine`` does; the
     names in reverse order of writing, as torch's ``unordered_set`` of written names
-    yields them (for one storage or none: ``tests/test_torch_archive.py`` compares
+    yields them (for one storage or none: ``tests/sources/test_torch_archive.py`` compares
     whole archives with torch's)."""
     names = 0
     for name in reversed(list(crcs)):

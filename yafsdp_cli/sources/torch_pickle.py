@@ -9,7 +9,7 @@ those globals (and ``collections.OrderedDict``, the empty backward hooks) into a
 ``TensorRef``; any other global raises ``NeedsTorchError`` and is left to
 ``torch.load(weights_only=True)``, which reads what it allows and refuses the rest, as
 before. ``tensor_pickle`` writes the same calls for a ``RawTensor`` (what torch writes:
-``tests/test_torch_archive.py`` compares the bytes).
+``tests/sources/test_torch_archive.py`` compares the bytes).
 
 ``TorchNamePickler`` is the pure-Python pickler with one change: objects registered in
 its ``names`` (stand-ins for torch's classes and functions) are written as the global
@@ -31,7 +31,7 @@ from ..engine import dtypes
 from .pickle_guard import check_pickle
 from .torch_archive import NeedsTorchError
 
-# Every dtype name torch exposes (tests/test_torch_archive.py checks the installed torch)
+# Every dtype name torch exposes (tests/sources/test_torch_archive.py checks the installed torch)
 TORCH_DTYPES = frozenset(
     (
         "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32",

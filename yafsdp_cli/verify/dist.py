@@ -201,7 +201,7 @@ def _init(rank: int, world: int, init_method: str, device: str) -> None:
     # were freed only by the interpreter's exit, where a thread taking the GIL is
     # ended by a forced unwind: "terminate called without an active exception",
     # SIGABRT, about 1 torchrun launch in 12 under load. (gdb: a pt_gloo_runloop
-    # thread, the main thread in Py_FinalizeEx; tests/test_verify_dist.py counts the
+    # thread, the main thread in Py_FinalizeEx; tests/verify/test_verify_dist.py counts the
     # threads left after the group is destroyed.)
     import torch._dynamo  # noqa: F401
 

@@ -8,7 +8,7 @@ CPU, and a process can change each between the two runs without any conversion b
   (LayerNorm's backward sums each thread's rows of ``d_bias`` in its own buffer), so
   the last bit of a gradient depends on how many threads ran it. Measured on a
   2-layer GPT-2: every LayerNorm bias gradient differs between 1 and 2 threads
-  (1.8e-7 max abs) while the logits are equal (``tests/test_verify_numerics.py``).
+  (1.8e-7 max abs) while the logits are equal (``tests/verify/test_numerics.py``).
 - **Dynamic thread adjustment.** With ``OMP_DYNAMIC=true`` the OpenMP runtime sizes
   each parallel team from the load average (GNU libgomp: the CPUs less the 15-minute
   load), so a team of 2 becomes 1 on a busy machine, and a load average that crosses

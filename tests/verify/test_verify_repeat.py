@@ -98,7 +98,7 @@ def test_a_model_that_draws_differently_is_named(monkeypatch):
 def test_the_readme_torchrun_line_exits_clean_every_time(tmp_path):
     """docs/verify.md: torchrun --nproc-per-node 2 --no-python yafsdp verify SOURCE --world-size 2
     (repeated 50 times by ``python -m benchmarks.run torchrun_exit``)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     argv = ["torchrun", "--nproc-per-node", "2", "--no-python", "yafsdp", "verify",
             str(root / "sample_models/gpt.safetensors"), "--model", "sample_models.models:gpt",
             "--world-size", "2", "--steps", "1"]  # fmt: skip

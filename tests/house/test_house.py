@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "yafsdp_cli"
+PKG = Path(__file__).resolve().parents[2] / "yafsdp_cli"
 
 # Lower ranks are imported by higher ones, never the other way round. Rooms that share
 # a rank do not import each other.

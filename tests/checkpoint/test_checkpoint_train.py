@@ -25,7 +25,7 @@ from yafsdp_cli.checkpoint import open_flat, restore_checkpoint
 from yafsdp_cli.cli import app
 
 runner = CliRunner()
-FIXTURE = Path(__file__).parent / "fixtures" / "flat-v1-mlp.safetensors"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "flat-v1-mlp.safetensors"
 
 
 def run(*args):

@@ -44,7 +44,7 @@ def test_dcp_to_flat_to_dcp_is_byte_identical(gpt_dcp, tmp_path):
     assert result.exit_code == 0, result.output
     assert "read back bit for bit" in " ".join(result.stdout.split())
     # --weights-only: the weights under their own names (the whole training
-    # checkpoint, in its nesting, is tests/test_checkpoint_train.py's)
+    # checkpoint, in its nesting, is tests/checkpoint/test_checkpoint_train.py's)
     result = run("restore", flat, "-o", back, "--format", "dcp", "--json", "--weights-only")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)

@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from torch.distributed.tensor import Shard
 from typer.testing import CliRunner
 
-from tests.test_inspect import SCHEMA
+from tests.inspection.test_inspect import SCHEMA
 from yafsdp_cli import ModelSpec, TensorRecord, YafsdpError, plan
 from yafsdp_cli.cli import app
 from yafsdp_cli.memory import MemoryConfig, estimate_memory, persistent_by_rank, rank_groups
@@ -227,6 +227,6 @@ def test_no_warning_where_experts_split_evenly(mixtral):
     ],
 )
 def test_usage_errors(args, message):
-    from tests.test_inspect import LLAMA, failure
+    from tests.inspection.test_inspect import LLAMA, failure
 
     assert message in failure(LLAMA, *args)

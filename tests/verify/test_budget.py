@@ -145,7 +145,7 @@ def test_a_steps_gradients_are_freed_before_the_next_backward(monkeypatch):
 
 
 def test_sequential_equals_side_by_side_on_a_failure(monkeypatch):
-    from tests.test_verify import _split_tie
+    from tests.verify.test_verify import _split_tie
 
     _split_tie(monkeypatch)
     monkeypatch.setattr(verify_side_by_side, "convert_module", fit_convert())

@@ -1,6 +1,6 @@
 """`--html FILE` without a browser: the page's elements and numbers against the JSON
 documents, self-containment, folding, the write (atomic, refusals), profile and check
-pages, and the plan heat map hook. tests/test_html_browser.py renders them for real."""
+pages, and the plan heat map hook. tests/report/test_html_browser.py renders them for real."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def test_profile_page_draws_both_steps_to_their_peaks(tmp_path):
 
 
 def test_check_page_is_written_when_the_gate_fails(tmp_path):
-    from tests.test_check import write_model
+    from tests.gate.test_check import write_model
 
     model, base, page = tmp_path / "m.safetensors", tmp_path / "b.json", tmp_path / "c.html"
     write_model(model, layers=2)

@@ -29,7 +29,7 @@ from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def loaded(name: str):
