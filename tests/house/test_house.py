@@ -26,6 +26,7 @@ RANKS = {
     "engine": 2,
     "options": 3,
     "sources": 3,
+    "schemes": 3,
     "memory": 4,
     "inspection": 5,
     "verify": 5,

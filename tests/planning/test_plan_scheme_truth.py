@@ -61,8 +61,8 @@ def planned(tmp_path_factory):
         settings = SchemeSettings(reshard_after_forward=resharded)
         for s in plan_model(loaded, opts, scheme_settings=settings).schemes:
             for r in s.rows:
-                if r.micro_batch == BATCH and (resharded or s.scheme == "fsdp2"):
-                    out[(s.scheme, resharded, r.world_size)] = r.peak_bytes
+                if r.micro_batch == BATCH and (resharded or s.scheme.name == "fsdp2"):
+                    out[(s.scheme.name, resharded, r.world_size)] = r.peak_bytes
     return out
 
 
@@ -95,7 +95,7 @@ def test_the_flat_scheme_row_is_the_plans_own(planned, tmp_path_factory):
         checkpointing=("none",), jobs=1, schemes=("flat", "fsdp2"),
     )  # fmt: skip
     report = plan_model(loaded, opts)
-    flat = next(s for s in report.schemes if s.scheme == "flat")
+    flat = next(s for s in report.schemes if s.scheme.name == "flat")
     grid = {(r.world_size, r.micro_batch, r.checkpointing): r.peak_bytes for r in report.rows}
     assert {(r.world_size, r.micro_batch, r.checkpointing): r.peak_bytes for r in flat.rows} == grid
     plain = plan_model(loaded, dataclasses.replace(opts, schemes=("flat",)))

@@ -57,9 +57,9 @@ def planned(tmp_path_factory):
     )  # fmt: skip
     report = plan_model(loaded, opts, scheme_settings=SchemeSettings(zero=ZERO))
     return {
-        (int(s.scheme.removeprefix("zero")), r.world_size): r.peak_bytes
+        (int(s.scheme.name.removeprefix("zero")), r.world_size): r.peak_bytes
         for s in report.schemes
-        if s.scheme != "flat"
+        if s.scheme.name != "flat"
         for r in s.rows
         if r.micro_batch == BATCH
     }

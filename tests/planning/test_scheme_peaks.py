@@ -23,15 +23,15 @@ from yafsdp_cli.memory.config import tensors_of_layout, whole_bytes
 from yafsdp_cli.memory.step_schemes import (
     DDP_BUCKET_CAP,
     DDP_FIRST_BUCKET,
-    SCHEMES,
     SchemeSettings,
     StepAt,
     ZeroConfig,
-    check_schemes,
     ddp_buckets,
-    phase_peak,
     scheme_memory,
 )
+from yafsdp_cli.schemes import NAMES as SCHEMES
+from yafsdp_cli.schemes import by_name
+from yafsdp_cli.schemes import check_names as check_schemes
 
 runner = CliRunner()
 SCHEMA = json.loads(resources.files("yafsdp_cli").joinpath("schemas/plan.schema.json").read_text())
@@ -52,7 +52,7 @@ def _spec(blocks: int = 3, hidden: int = 512) -> ModelSpec:
 
 def _memory(scheme: str, ws: int, settings=None, cfg=None):
     layout = plan(_spec(), world_size=ws, units=("layers.*",))
-    return scheme_memory(scheme, layout, cfg or MemoryConfig(round_bytes=1), settings)
+    return scheme_memory(by_name(scheme), layout, cfg or MemoryConfig(round_bytes=1), settings)
 
 
 def test_scheme_names_parse_in_one_order_and_unknown_ones_are_errors():
@@ -116,7 +116,7 @@ def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
     cfg = MemoryConfig(round_bytes=1)
     for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
         small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)
-        got = scheme_memory("zero3", layout, cfg, SchemeSettings(zero=small)).gather
+        got = scheme_memory(by_name("zero3"), layout, cfg, SchemeSettings(zero=small)).gather
         assert got == live * 2, distance
 
 
@@ -144,7 +144,7 @@ def test_fsdp2_kept_gathered_holds_every_unit():
 
 def _at(phase: str, scheme: str, ws: int, step: StepAt, settings=None) -> int:
     m = _memory(scheme, ws, settings)
-    return phase_peak(scheme, phase, m, step, ws, settings or SchemeSettings())
+    return by_name(scheme).phase_peak(phase, m, step, ws, settings or SchemeSettings())
 
 
 def test_zero_stages_hold_per_phase_what_deepspeed_allocates_then():

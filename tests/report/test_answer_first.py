@@ -65,7 +65,7 @@ def test_inspect_answers_first(inspected, width):
     answer = inspect_view.answer(inspected)
     lines = rendered(inspect_view.to_rich(inspected), width)
     check_opening(answer, lines, width)
-    by = {s.scheme: s for s in inspected.memory.schemes}
+    by = {s.scheme.inspect_key: s for s in inspected.memory.schemes}
     assert answer[0] == (
         f"per rank at world size 8: yafsdp flat {human_bytes(by['yafsdp'].total)}, "
         f"DDP {human_bytes(by['ddp'].total)} (saves {by['yafsdp'].savings_percent:.1f}%)"

@@ -163,11 +163,11 @@ def _options(a: dict):
     """The command's ``PlanOptions`` from its typed arguments ``a``, and the notes to
     print (how a size was read)."""
     from ..errors import YafsdpError
-    from ..memory.step_schemes import check_schemes
     from ..options import check_reserve, si_echo
     from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size
     from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
     from ..planning.reserved_fit import outside_at
+    from ..schemes import check_names as check_schemes
 
     gpu_memory, reserve, margin = a["gpu_memory"], a["reserve"], a["margin"]
     if not (gpu_memory or a["gpu"] or a["gpu_profile"]):

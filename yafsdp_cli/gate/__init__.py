@@ -4,6 +4,6 @@ Owns the baseline document (``baseline``), the gate's fake training step as figu
 (``step_figures``), the comparison of current figures against a baseline and the
 regressions it finds (``regressions``), the command's flow (``run_check``) and the
 re-check of a saved plan (``plan_recheck``). It may import the rooms below it
-(planning, inspect, profiling, memory, sources, options, engine, errors); only
+(planning, inspect, profiling, memory, schemes, sources, options, engine, errors); only
 ``report`` and ``cli`` import it.
 """

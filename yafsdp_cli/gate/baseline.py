@@ -39,6 +39,7 @@ from ..fileio import read_json
 from ..inspection.inspect_options import InspectOptions
 from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 from ..options import StepOptions
+from ..schemes import FLAT
 
 SCHEMA = "yafsdp.baseline/2"
 PLAN_SCHEMA = "yafsdp.plan/1"
@@ -303,7 +304,7 @@ def _parse_legacy(doc: dict, where: str) -> Baseline:
     """A ``yafsdp.inspect/1`` document: memory figures only."""
     inputs = dict(doc["inputs"])
     memory, params = doc["memory"], doc["params"]
-    persistent = next(s["persistent"] for s in memory["schemes"] if s["scheme"] == "yafsdp")
+    persistent = next(s["persistent"] for s in memory["schemes"] if s["scheme"] == FLAT.inspect_key)
     model = inputs.get("model")
     source = inputs.get("source") or None
     if model and source:  # it recorded the spec's description, not SOURCE

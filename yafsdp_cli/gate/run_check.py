@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import YafsdpError
 from ..inspection.build import InspectReport, inspect_model
 from ..options import StepOptions
+from ..schemes import FLAT
 from ..sources import load_source
 from ..sources.adapted import adapt
 from .baseline import (
@@ -106,7 +107,7 @@ def _previous(req: CheckRequest) -> Baseline | None:
 
 def memory_figures(report: InspectReport) -> MemoryFigures:
     mem = report.memory
-    flat = next(s for s in mem.schemes if s.scheme == "yafsdp")
+    flat = next(s for s in mem.schemes if s.scheme is FLAT)
     return MemoryFigures(
         flat_bytes=mem.flat_bytes,
         flat_persistent_bytes=flat.persistent,

@@ -35,6 +35,7 @@ from ..memory.estimate import (
 )
 from ..memory.fsdp2 import RankGroup, UnevenSplit
 from ..options.training_dtype import training_dtype
+from ..schemes import FSDP2, Scheme
 from ..sources.adapted import adapt, keeps_stored_base
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
@@ -129,7 +130,7 @@ class BufferGroup:
 class SchemeMemory:
     """One scheme's bytes per rank, with the savings against the DDP baseline."""
 
-    scheme: str  # "ddp" (the baseline), "yafsdp", "zero2", "zero3", "fsdp"
+    scheme: Scheme  # JSON: its inspect_key (report.inspect_view.to_json)
     params: int
     grads: int
     optimizer: int
@@ -152,7 +153,7 @@ class MemorySummary:
     savings_percent: float
     largest_unit: str
     largest_unit_bytes: int
-    schemes: tuple[SchemeMemory, ...]  # ddp, yafsdp, zero2, zero3, fsdp
+    schemes: tuple[SchemeMemory, ...]  # ddp (the baseline), flat, zero2, zero3, fsdp2
     fsdp_placement: str
     fsdp_uneven: UnevenSplit | None  # FSDP2's dim-0 split is >5% above even: the remedy
 
@@ -376,7 +377,7 @@ def _scheme(
 def _memory_summary(report: MemoryReport) -> MemorySummary:
     n, base = report.world_size, report.baseline
     schemes = tuple(
-        _scheme(m, base, n, report.fsdp2.ranks if m.scheme == "fsdp" else ())
+        _scheme(m, base, n, report.fsdp2.ranks if m.scheme is FSDP2 else ())
         for m in (base, report.flat, *report.references)
     )
     return MemorySummary(

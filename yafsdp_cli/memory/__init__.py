@@ -9,9 +9,8 @@ parameters and gradient buffers included (``step_schemes``); and what PyTorch's 
 allocator reserves for a step's allocation trace (``caching_allocator``, its
 settings in ``alloc_conf``, its block bookkeeping in ``alloc_segments``), and what a
 GPU holds beside it (``outside_allocator``: the CUDA context, cuBLAS workspaces,
-NCCL buffers). It may
-import ``engine``, ``options``, ``errors`` and ``fileio``; inspect, verify, profiling and the
-gate import it.
+NCCL buffers). It may import ``engine``, ``options``, ``schemes``, ``errors`` and
+``fileio``; inspect, verify, profiling and the gate import it.
 """
 
 from ..options.alloc_conf import AllocatorConf, parse_alloc_conf

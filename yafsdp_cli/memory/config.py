@@ -18,6 +18,7 @@ from ..engine.choices import check_optimizer
 from ..engine.layout import Layout, round_up
 from ..numbers import MAX_ROUND_BYTES
 from ..options import MemoryOptions, StepOptions, check_at_least
+from ..schemes import Scheme
 
 Optimizer = Literal["adamw", "adam", "sgd", "none"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
@@ -78,7 +79,7 @@ def memory_config(
 class MemoryBreakdown:
     """Bytes one rank holds under one scheme."""
 
-    scheme: str  # "ddp", "yafsdp", "zero2", "zero3", "fsdp"
+    scheme: Scheme
     params: int
     grads: int
     optimizer: int

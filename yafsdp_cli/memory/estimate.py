@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.layout import Layout, round_up
+from ..schemes import DDP, FLAT, ZERO2, ZERO3
 from .config import (
     OPTIMIZER_STATES,
     MemoryBreakdown,
@@ -116,9 +117,9 @@ def estimate_memory(
     converted, kept, bufs = tensors_of_layout(layout)
     buffers = buffer_bytes(bufs, cfg)
     ddp = MemoryBreakdown(
-        "ddp", **whole_bytes(converted + kept, cfg), buffers=buffers, gather=0, reduce=0
+        DDP, **whole_bytes(converted + kept, cfg), buffers=buffers, gather=0, reduce=0
     )
-    flat = _flat_scheme("yafsdp", layout, kept, cfg, buffers, GATHER_BUFFERS, REDUCE_BUFFERS)
+    flat = _flat_scheme(FLAT, layout, kept, cfg, buffers, GATHER_BUFFERS, REDUCE_BUFFERS)
     fsdp = fsdp2_memory(layout, cfg, fsdp_placement)
     unit_params = _unit_bytes(layout, cfg, grads=False)
     largest = max(unit_params, key=unit_params.get) if unit_params else ""
@@ -151,7 +152,7 @@ def _zero2(converted, kept, cfg, buffers, n) -> MemoryBreakdown:
         _by_dtype_shard(converted, dtype, n, cfg, with_params=False) for dtype in _dtypes(converted)
     ]
     return MemoryBreakdown(
-        "zero2",
+        ZERO2,
         **add_parts(params, *shards, whole_bytes(kept, cfg)),
         buffers=buffers,
         gather=0,
@@ -165,7 +166,7 @@ def _zero3(converted, kept, cfg, buffers, n, largest_unit, largest_grads) -> Mem
     shards = [_by_dtype_shard(converted, dtype, n, cfg) for dtype in _dtypes(converted)]
     gather, reduce = (largest_unit, largest_grads) if n > 1 else (0, 0)
     return MemoryBreakdown(
-        "zero3",
+        ZERO3,
         **add_parts(*shards, whole_bytes(kept, cfg)),
         buffers=buffers,
         gather=gather,

@@ -52,6 +52,7 @@ from ..engine import dtypes
 from ..engine.choices import PLACEMENTS, check_placement  # noqa: F401 - fsdp2's API
 from ..engine.layout import Layout
 from ..engine.units import ROOT
+from ..schemes import FSDP2
 from .config import (
     PARTS,
     MemoryBreakdown,
@@ -124,7 +125,7 @@ class UnevenSplit:
 @dataclass(frozen=True, slots=True)
 class Fsdp2Memory:
     placement: str  # "dim0" or "auto"
-    fullest: MemoryBreakdown  # scheme "fsdp": the fullest rank, transients included
+    fullest: MemoryBreakdown  # the fullest rank, transients included
     ranks: tuple[RankGroup, ...]  # distinct groups in rank order
     uneven: UnevenSplit | None  # None: the dim-0 split is within UNEVEN_PERCENT of even
 
@@ -288,7 +289,7 @@ def fsdp2_memory(
     top = _fullest(groups)
     gather, reduce = _transients(placed, cfg, layout.world_size)
     fullest = MemoryBreakdown(
-        "fsdp", top.params, top.grads, top.optimizer, top.master, top.buffers, gather, reduce
+        FSDP2, top.params, top.grads, top.optimizer, top.master, top.buffers, gather, reduce
     )
     return Fsdp2Memory(placement, fullest, tuple(groups), uneven_split(layout, cfg))
 

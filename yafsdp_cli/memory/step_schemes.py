@@ -1,5 +1,7 @@
 """What one rank holds through a training step under each scheme, besides the
-step's own activations and temporaries.
+step's own activations and temporaries: the parts the schemes' bytes are made of
+(``SchemeParts``), each scheme's composition of them and its peak per phase being the
+scheme's own (``yafsdp_cli.schemes``: one module per scheme, with its notes).
 
 [Note: training schemes at the step's peak]
 Each scheme is a ``MemoryBreakdown``: the persistent parts (``params``, ``grads``,
@@ -7,90 +9,33 @@ Each scheme is a ``MemoryBreakdown``: the persistent parts (``params``, ``grads`
 all-gathered while units compute) and ``reduce`` (gradient communication buffers).
 Nothing communicates at world size 1, so no scheme has transients there.
 
-- ``flat``: the memory model's flat column (``estimate``): shards, two all-gather
-  and two gradient buffers of the largest unit.
-- ``fsdp2``: FSDP2's fullest rank (``fsdp2``): ``fully_shard`` on every unit and the
-  root, float32 shards and the training dtype gathered under master weights
-  (``MixedPrecisionPolicy(param_dtype=...)``), one reduce-scatter input in the
-  gradient dtype (``reduce_dtype``). With ``reshard_after_forward=True`` (the
-  default) the root stays gathered and two other units are in flight; with
-  ``False`` every unit stays gathered from its forward to its backward, so the
-  whole model is gathered at the start of backward.
-- ``ddp``: everything whole, plus ``DistributedDataParallel``'s gradient buckets:
-  with ``gradient_as_bucket_view=False`` (its default) they are a second copy of
-  every gradient, cut into buckets of ``bucket_cap_mb=25`` (the first 1 MiB), one
-  allocation each, made at construction and kept. (They are rebuilt once, at the
-  second forward, in the order the gradients became ready; the old ones are freed
-  first-come, while no gradient exists, so the rebuild never sets the peak.)
-- ``zero1`` / ``zero2`` / ``zero3``: DeepSpeed ZeRO with its defaults
-  (``DeepSpeedZeroConfig`` of deepspeed 0.19: ``reduce_bucket_size`` 5e8 and
-  ``allgather_bucket_size`` 5e8 elements, ``contiguous_gradients`` on,
-  ``overlap_comm`` on for stage 3 only, ``stage3_prefetch_bucket_size`` 5e7,
-  ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` 1e9,
-  ``stage3_max_reuse_distance`` 1e9).
-  Optimizer states and float32 masters are partitioned in every stage. ZeRO-1
-  keeps whole parameters and gradients; ZeRO-2 whole parameters and a
-  ``1/world_size`` gradient partition; ZeRO-3 partitions parameters too, except
-  those of at most ``param_persistence_threshold`` elements, which every rank keeps
-  whole. With contiguous gradients every stage copies gradients into an
-  "ipg" bucket of ``reduce_bucket_size`` elements in the gradient dtype, allocated
-  whole (not capped by the model's size) and kept. ZeRO-3 gathers the unit that
-  computes and prefetches up to ``prefetch_bucket_size`` elements of the next; a
-  parameter the step reuses within ``max_reuse_distance`` elements is not released,
-  so at the turn from forward to backward the last ``max_reuse_distance`` elements
-  stay gathered (a whole model smaller than that); never more than
-  ``max_live_parameters`` at once.
-
 [Note: what each scheme holds at each phase's peak]
 A scheme's peak is the highest phase of what it holds then plus the step's own bytes
-then (``phase_peak``). The step's own bytes come from a fake run of the flat model
-(the reference step: the plan's line at the world size, or at world size 1 for the
-schemes that compute on whole parameters), as ``StepAt``: its activations and
+then (``Scheme.phase_peak``). The step's own bytes come from a fake run of the flat
+model (the reference step: the plan's line at the world size, or at world size 1 for
+the schemes that compute on whole parameters), as ``StepAt``: its activations and
 temporaries beyond the model's bytes, plus what of those bytes it did not hold at that
 moment (gather and gradient buffers not in use, gradients not yet made), so that its
-own bytes stand free of the flat model's buffers. Then, at world sizes above 1:
-
-- ``flat``, ``ddp`` and ``fsdp2`` resharding after forward hold what the reference
-  holds at the same moments, in their own sizes: their bytes stand where the
-  reference's model bytes stood (the flat model's buffers for FSDP2's root, units in
-  flight and reduce-scatter input; the whole step's gradients for DDP, beside its
-  buckets).
-- ``fsdp2`` keeping every unit gathered: the shards and every gathered unit in
-  forward (no gradient exists: ``zero_grad(set_to_none=True)``), plus one
-  reduce-scatter input in backward; after backward every unit is resharded and
-  the sharded gradients remain.
-- ``zero1`` / ``zero2``: whole parameters and the partitioned optimizer states and
-  masters throughout, and no gradient or bucket in forward: DeepSpeed allocates its
-  buckets when the first gradient lands and frees them, with the partition's
-  gradient buffer, once the step is over. Stage 2 reduces in the gradient hooks:
-  each gradient is copied into the bucket and freed, those of the rank's partition
-  into a ``1/world_size`` buffer. Stage 1 (``overlap_comm`` off) reduces after
-  backward, so its gradients land whole first, as in the reference. So the backward
-  holds the bucket and partition buffer only where the reference's backward peak
-  has gradients already. The optimizer phase converts the partition's gradients to
-  float32 and steps them: the reference step's gradients and optimizer temporaries,
-  ``1/world_size`` of them.
-- ``zero3``: its partitions, the whole persistent parameters, the partition's
-  gradient buffer and the bucket throughout (all allocated once, at the engine's
-  start), the gathered parameters in forward and backward, released after backward.
+own bytes stand free of the flat model's buffers. At world sizes above 1 the flat
+scheme, DDP and FSDP2 resharding after forward hold what the reference holds at the
+same moments, in their own sizes: their bytes stand where the reference's model bytes
+stood (the flat model's buffers for FSDP2's root, units in flight and reduce-scatter
+input; the whole step's gradients for DDP, beside its buckets); the others say what
+they hold phase by phase in their modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine import dtypes
 from ..engine.layout import Layout
-from ..errors import YafsdpError
+from ..schemes import Scheme
 from .config import MemoryBreakdown, MemoryConfig, TensorSize, tensors_of_layout, whole_bytes
 from .estimate import MemoryReport, estimate_memory
 from .fsdp2 import place
 
-SCHEMES = ("flat", "fsdp2", "zero1", "zero2", "zero3", "ddp")
-# schemes whose forward and backward run on whole parameters, as at world size 1
-WHOLE_PARAMS = ("zero1", "zero2", "ddp")
 MIB = 1024**2
 DDP_FIRST_BUCKET = 1 * MIB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET_CAP = 25 * MIB  # bucket_cap_mb=25
@@ -117,63 +62,54 @@ class SchemeSettings:
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
 
 
-def check_schemes(given: str | Sequence[str]) -> tuple[str, ...]:
-    """``"fsdp2"``, ``("zero3", "flat")`` or ``"all"`` -> the schemes in ``SCHEMES``
-    order, ``flat`` always among them; an unknown name raises."""
-    parts = given.split(",") if isinstance(given, str) else given
-    names = [s.strip().lower() for s in parts if s.strip()]
-    text = ",".join(names)
-    if names == ["all"]:
-        return SCHEMES
-    bad = [s for s in names if s not in SCHEMES]
-    if bad or not names:
-        raise YafsdpError(
-            f"--scheme {text!r}: unknown scheme {', '.join(bad) or '(none)'}; "
-            f"give a comma list of {', '.join(SCHEMES)}, or all"
-        )
-    # the flat scheme is the plan's own grid, and the others are compared against it
-    return tuple(s for s in SCHEMES if s in names or s == "flat")
-
-
 def scheme_memory(
-    scheme: str,
+    scheme: Scheme,
     layout: Layout,
     cfg: MemoryConfig,
     settings: SchemeSettings | None = None,
     report: MemoryReport | None = None,
 ) -> MemoryBreakdown:
     """One rank's bytes under ``scheme`` at ``layout.world_size`` (see the note)."""
-    settings = settings or SchemeSettings()
-    report = report or estimate_memory(layout, cfg)
-    n = layout.world_size
-    converted, kept, _ = tensors_of_layout(layout)
-    if scheme == "flat":
-        return report.flat
-    if scheme == "fsdp2":
-        return _fsdp2(layout, cfg, settings, report)
-    if scheme == "ddp":
-        buckets = 0 if n == 1 or settings.ddp_bucket_view else ddp_buckets(converted + kept, cfg)
-        return dataclasses.replace(report.baseline, reduce=buckets)
-    if scheme in ("zero1", "zero2"):
-        zero2 = report.references[0]
-        ipg = 0 if n == 1 else ipg_bucket(converted + kept, cfg, settings.zero)
-        out = dataclasses.replace(zero2, scheme=scheme, reduce=ipg)
-        if scheme == "zero1":
-            out = dataclasses.replace(out, grads=whole_bytes(converted + kept, cfg)["grads"])
-        return out
-    if scheme == "zero3":
-        return _zero3(layout, cfg, settings.zero, report, converted + kept)
-    raise ValueError(scheme)
+    return scheme.memory(SchemeParts(layout, cfg, settings or SchemeSettings(), report))
 
 
-def _fsdp2(layout, cfg, settings, report) -> MemoryBreakdown:
-    fsdp = dataclasses.replace(report.fsdp2.fullest, scheme="fsdp2")
-    n = layout.world_size
-    if settings.reshard_after_forward or n == 1:
-        return fsdp
-    placed = place(layout, cfg, report.fsdp2.placement)
-    every_unit = sum(p.split.padded * n * dtypes.itemsize(p.dtype) for p in placed)
-    return dataclasses.replace(fsdp, gather=every_unit)
+class SchemeParts:
+    """What the schemes' bytes are made of at one layout: the memory model's report
+    and the parts a scheme's ``memory`` asks for, each computed when asked."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        cfg: MemoryConfig,
+        settings: SchemeSettings,
+        report: MemoryReport | None = None,
+    ) -> None:
+        self.layout, self.cfg, self.settings = layout, cfg, settings
+        self.report = report or estimate_memory(layout, cfg)
+        self.world_size = layout.world_size
+        converted, kept, _ = tensors_of_layout(layout)
+        self.tensors = converted + kept
+
+    def ddp_buckets(self) -> int:
+        return ddp_buckets(self.tensors, self.cfg)
+
+    def ipg_bucket(self) -> int:
+        return ipg_bucket(self.tensors, self.cfg, self.settings.zero)
+
+    def whole_grads(self) -> int:
+        """Every gradient whole."""
+        return whole_bytes(self.tensors, self.cfg)["grads"]
+
+    def every_unit_gathered(self) -> int:
+        """FSDP2's every unit gathered at once."""
+        placed = place(self.layout, self.cfg, self.report.fsdp2.placement)
+        n = self.world_size
+        return sum(p.split.padded * n * dtypes.itemsize(p.dtype) for p in placed)
+
+    def zero3(self, scheme: Scheme) -> MemoryBreakdown:
+        """DeepSpeed's stage 3 (the scheme's note): the zero3 reference's shards with
+        the small parameters whole, what stays gathered, and the ipg bucket."""
+        return _zero3(self.layout, self.cfg, self.settings.zero, self.report, self.tensors, scheme)
 
 
 def ddp_buckets(tensors: list[TensorSize], cfg: MemoryConfig) -> int:
@@ -199,8 +135,8 @@ def ipg_bucket(tensors: list[TensorSize], cfg: MemoryConfig, zero: ZeroConfig) -
     return sum(cfg.rounded(zero.reduce_bucket_size * dtypes.itemsize(d)) for d in grad_dtypes)
 
 
-def _zero3(layout, cfg, zero: ZeroConfig, report, tensors) -> MemoryBreakdown:
-    base = dataclasses.replace(report.references[1], scheme="zero3")
+def _zero3(layout, cfg, zero: ZeroConfig, report, tensors, scheme: Scheme) -> MemoryBreakdown:
+    base = dataclasses.replace(report.references[1], scheme=scheme)
     n = layout.world_size
     if n == 1:
         return dataclasses.replace(base, gather=0, reduce=0)
@@ -242,37 +178,3 @@ class StepAt:
     def own(self) -> int:
         """The step's own bytes alive then: activations and temporaries."""
         return self.activations + self.temporaries + self.unheld
-
-
-def phase_peak(
-    scheme: str, phase: str, m: MemoryBreakdown, step: StepAt, world_size: int,
-    settings: SchemeSettings,
-) -> int:  # fmt: skip
-    """One rank's bytes at ``phase``'s peak under ``scheme``: what it holds then
-    (see the note on phases) plus the step's own bytes; ``m`` is
-    ``scheme_memory``'s."""
-    kept_gathered = scheme == "fsdp2" and not settings.reshard_after_forward
-    if world_size == 1 or scheme in ("flat", "ddp") or (scheme == "fsdp2" and not kept_gathered):
-        return m.total + step.activations + step.temporaries
-    if scheme in ("zero1", "zero2"):
-        return _zero12_at(scheme, phase, m, step, world_size)
-    if scheme == "zero3":  # the gathered parameters are released after backward
-        return m.total - (m.gather if phase == "optimizer" else 0) + step.own
-    held = m.total - m.grads - m.reduce  # shards and every unit gathered, no gradient
-    if phase == "backward":
-        held += m.reduce
-    elif phase == "optimizer":
-        held += m.grads - m.gather
-    return held + step.own
-
-
-def _zero12_at(scheme: str, phase: str, m: MemoryBreakdown, step: StepAt, n: int) -> int:
-    base = m.params + m.optimizer + m.master + m.buffers
-    if phase == "forward":
-        return base + step.own
-    if phase == "optimizer":  # a partition's gradients made float32, and its step
-        return base + step.activations + (step.own - step.activations + step.grads) // n
-    landed = step.grads > 0  # the bucket and partition buffer come with the first
-    if scheme == "zero1":  # reduced after backward: every gradient lands whole first
-        return base + step.grads + (m.reduce if landed else 0) + step.own
-    return base + ((m.reduce + m.grads) if landed else 0) + step.own

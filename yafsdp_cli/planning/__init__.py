@@ -12,7 +12,7 @@ objective (``cell_time``), the processes that run them at once (``pool``) and th
 other training schemes' peaks over the same grid (``scheme_peaks``, ``plan --scheme``).
 It may import ``timing``, ``profiling``, ``verify`` (the memory this process may use),
 ``inspect``,
-``memory``, ``sources``, ``engine`` and ``errors``.
+``memory``, ``schemes``, ``sources``, ``engine`` and ``errors``.
 
 >>> from yafsdp_cli.planning import PlanOptions, plan_source
 >>> report = plan_source(None, model="sample_models.models:gpt",

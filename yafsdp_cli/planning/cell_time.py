@@ -29,6 +29,7 @@ from ..engine.plan import plan
 from ..errors import YafsdpError
 from ..inspection.build import retype_params
 from ..profiling import ProfileOptions
+from ..schemes import FLAT
 from ..timing import (
     DEFAULT_OBJECTIVE,
     Cluster,
@@ -202,7 +203,7 @@ class CellTimer:
             costs,
             self.layout(row.world_size),
             s.gpu,
-            scheme="yafsdp",
+            scheme=FLAT,
             cluster=s.cluster,
             eff=s.efficiency,
             cfg=self.cfg,

@@ -22,6 +22,7 @@ from ..engine.plan import plan
 from ..inspection.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, keeps_margin
+from ..schemes import FLAT
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
@@ -88,7 +89,7 @@ def plan_model(
     )
     if setup is not None:
         report = with_timing(report, rows, timer, opts)
-    if opts.schemes != ("flat",):
+    if opts.schemes != (FLAT.name,):
         sizes = tuple(dict.fromkeys(r.world_size for r in rows))  # the plan's own grid
         schemes = compare_schemes(
             loaded, opts, runner, lines, _line_for, fit, sizes, scheme_settings

@@ -12,7 +12,6 @@ from ..errors import YafsdpError
 from ..gpu_table import GIB, MIB
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
-from ..memory.step_schemes import check_schemes
 from ..numbers import (
     MAX_BYTES_PER_S,
     MAX_COUNT,
@@ -33,6 +32,8 @@ from ..options import (
     StepOptions,
 )
 from ..options.sizes import parse_size, si_echo
+from ..schemes import FLAT
+from ..schemes import check_names as check_schemes
 from ..timing.gpu_specs import GPUS
 
 MAX_WORLD_SIZE = 512
@@ -93,7 +94,7 @@ class PlanOptions(Composed):
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     checkpointing: tuple[str, ...] = CHECKPOINTING  # the grid's; the step piece's is unused
     jobs: int | None = None  # fake runs at once (processes); None: cores and memory allow
-    schemes: tuple[str, ...] = ("flat",)  # memory.step_schemes.SCHEMES to compare
+    schemes: tuple[str, ...] = (FLAT.name,)  # schemes.SCHEMES to compare, by name
     # the step-time model's inputs (``cell_time``); a named GPU sets ``gpu_memory``
     # where it is not given
     gpu: str | None = None  # a GPU of ``timing.GPUS``, any case

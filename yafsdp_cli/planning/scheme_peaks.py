@@ -2,7 +2,7 @@
 the flat scheme, over the plan's grid.
 
 A scheme's peak at (world size, micro-batch, checkpointing) is the highest phase of
-what it holds then (``memory.step_schemes.phase_peak``: persistent bytes, gathered
+what it holds then (``Scheme.phase_peak``: persistent bytes, gathered
 parameters, gradients and their buffers as the scheme has them at that phase) plus
 the step's own bytes then, activations and temporaries, from the fake runs the plan
 already makes (``measure``):
@@ -41,13 +41,8 @@ from functools import cache
 from ..engine.plan import plan
 from ..inspection.build import retype_params
 from ..memory import estimate_memory
-from ..memory.step_schemes import (
-    WHOLE_PARAMS,
-    SchemeSettings,
-    StepAt,
-    phase_peak,
-    scheme_memory,
-)
+from ..memory.step_schemes import SchemeSettings, StepAt, scheme_memory
+from ..schemes import FLAT, FSDP2, Scheme, parse
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
 from .reserved_fit import ReservedFit, keeping_margin
@@ -58,7 +53,7 @@ class SchemeRow:
     """One scheme at one configuration; ``peak_bytes`` = persistent + gather +
     reduce + activations + temporaries."""
 
-    scheme: str
+    scheme: Scheme
     world_size: int
     micro_batch: int
     checkpointing: str
@@ -85,7 +80,7 @@ class SchemeSmallest:
 
 @dataclass(frozen=True, slots=True)
 class SchemePlan:
-    scheme: str
+    scheme: Scheme
     configuration: str  # the scheme's settings, in its own terms
     rows: tuple[SchemeRow, ...]
     smallest: tuple[SchemeSmallest, ...]
@@ -121,8 +116,9 @@ def compare_schemes(
     ``runner`` measures the world-size-1 line if needed; ``settings``: the schemes'
     knobs (their defaults where None)."""
     settings = settings or SchemeSettings()
+    chosen = parse(opts.schemes)
     whole = {}
-    if any(s in WHOLE_PARAMS for s in opts.schemes):
+    if any(s.whole_params for s in chosen):
         for ck in opts.checkpointing:
             whole[ck] = lines.get((ck, 1)) or runner.line(1, ck, opts.micro_batches, None)
     line_at = lambda ck, ws: line_for(lines, ck, ws)  # noqa: E731
@@ -131,10 +127,10 @@ def compare_schemes(
     grids = {
         s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
                  for mb in opts.micro_batches)
-        for s in opts.schemes
+        for s in chosen
     }  # fmt: skip
-    flat_best = _best(grids["flat"], opts) if "flat" in grids else None
-    return tuple(_scheme_plan(s, grid, grids.get("flat", ()), flat_best, rows, opts)
+    flat_best = _best(grids[FLAT], opts) if FLAT in grids else None
+    return tuple(_scheme_plan(s, grid, grids.get(FLAT, ()), flat_best, rows, opts)
                  for s, grid in grids.items())  # fmt: skip
 
 
@@ -148,14 +144,16 @@ class _RowMaker:
         self.settings = SchemeSettings()
         self._per_rank_parts: dict[tuple, dict[str, float]] = {}
 
-    def __call__(self, scheme, ws, mb, ck, settings: SchemeSettings | None = None) -> SchemeRow:
+    def __call__(
+        self, scheme: Scheme, ws, mb, ck, settings: SchemeSettings | None = None
+    ) -> SchemeRow:
         settings = settings or self.settings
-        full = scheme in WHOLE_PARAMS
+        full = scheme.whole_params
         line = self.whole[ck] if full else self.line_at(ck, ws)
         m = self.memory(scheme, ws, settings)
         steps = self._steps(line, mb, 1 if full else ws)
         phase, peak = max(
-            ((p, phase_peak(scheme, p, m, at, ws, settings)) for p, at in steps.items()),
+            ((p, scheme.phase_peak(p, m, at, ws, settings)) for p, at in steps.items()),
             key=lambda pair: pair[1],
         )
         act = steps[phase].activations
@@ -208,7 +206,7 @@ class _RowMaker:
         if not self.fit.confs:
             return 0
         _, act, temp = self.line_at(ck, ws).at(mb, ws)
-        flat = self.memory("flat", ws, SchemeSettings()).total + act + temp
+        flat = self.memory(FLAT, ws, SchemeSettings()).total + act + temp
         return self.fit.reserved_at((ws, mb, ck), flat, 0) - flat
 
 
@@ -220,10 +218,10 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     mine = next((r for r in rows if _key(r) == key), None)
     saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
     plan = SchemePlan(
-        scheme, configuration(scheme, make.settings), rows, _smallest(rows, opts), best, key,
+        scheme, scheme.configuration(make.settings), rows, _smallest(rows, opts), best, key,
         flat.peak_bytes if flat else None, saves,
     )  # fmt: skip
-    if scheme != "fsdp2" or best is None or best.world_size == 1:
+    if scheme is not FSDP2 or best is None or best.world_size == 1:
         return plan
     no_reshard = dataclasses.replace(make.settings, reshard_after_forward=False)
     kept = make(scheme, *_key(best), settings=no_reshard)
@@ -234,28 +232,6 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
 
 def _key(r: SchemeRow) -> tuple[int, int, str]:
     return (r.world_size, r.micro_batch, r.checkpointing)
-
-
-def configuration(scheme: str, settings: SchemeSettings) -> str:
-    """What a scheme's rows assume, in its own terms."""
-    z = settings.zero
-    bucket = f"reduce_bucket_size={_short(z.reduce_bucket_size)}"
-    return {
-        "flat": "2 all-gather + 2 gradient buffers of the largest unit",
-        "fsdp2": f"reshard_after_forward={settings.reshard_after_forward}",
-        "ddp": f"bucket_cap_mb=25, gradient_as_bucket_view={settings.ddp_bucket_view}",
-        "zero1": f"{bucket}, contiguous_gradients",
-        "zero2": f"{bucket}, contiguous_gradients",
-        "zero3": f"prefetch {_short(z.prefetch_bucket_size)}, max live "
-        f"{_short(z.max_live_parameters)}, reuse distance {_short(z.max_reuse_distance)}, "
-        f"persistence {_short(z.param_persistence_threshold)}, {bucket}",
-    }[scheme]
-
-
-def _short(n: int) -> str:
-    """``500_000_000`` -> ``"5e8"``; a number that is not one digit and zeros as it is."""
-    text = f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
-    return text if float(text) == n else str(n)
 
 
 def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
@@ -292,7 +268,7 @@ def _scheme_memory(loaded, opts: PlanOptions):
         return layout, estimate_memory(layout, cfg)
 
     @cache
-    def memory(scheme: str, ws: int, settings: SchemeSettings):
+    def memory(scheme: Scheme, ws: int, settings: SchemeSettings):
         layout, report = layout_and_report(ws)
         return scheme_memory(scheme, layout, cfg, settings, report)
 

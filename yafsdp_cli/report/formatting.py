@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # Rich is imported when a table is made: --json never needs i
     from rich.text import Text
 
 from ..errors import printable
+from ..schemes import Scheme
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -71,7 +72,10 @@ def human_count(n: int) -> str:
 
 
 def plain(obj: Any) -> Any:
-    """Dataclasses, tuples, paths -> JSON-able builtins."""
+    """Dataclasses, tuples, paths -> JSON-able builtins; a scheme -> its name (the
+    inspect document spells its schemes otherwise: ``inspect_view.to_json``)."""
+    if isinstance(obj, Scheme):
+        return obj.name
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..inspection.build import InspectReport, SchemeMemory
+from ..schemes import FLAT, FSDP2, Scheme
 from .formatting import Section, human_bytes
 
 WHY = (
@@ -19,14 +20,14 @@ def placement_text(placement: str) -> str:
     return "Shard(1) where better" if placement == "auto" else "Shard(0)"
 
 
-def _scheme(report: InspectReport, name: str) -> SchemeMemory:
-    return next(s for s in report.memory.schemes if s.scheme == name)
+def _scheme(report: InspectReport, scheme: Scheme) -> SchemeMemory:
+    return next(s for s in report.memory.schemes if s.scheme is scheme)
 
 
 def fsdp_sections(report: InspectReport) -> list[Section]:
     """FSDP2's rank groups (only where ranks differ), then the warning (if any)."""
     out = []
-    fsdp = _scheme(report, "fsdp")
+    fsdp = _scheme(report, FSDP2)
     if len(fsdp.ranks) > 1:
         out.append(ranks_section(report, fsdp))
     if report.memory.fsdp_uneven:
@@ -80,7 +81,7 @@ def uneven_section(report: InspectReport) -> Section:
         )
     if u.stuck_params:
         rows.append(("no even dim 1", f"{', '.join(u.stuck_params)}: these stay on Shard(0)"))
-    flat = _scheme(report, "yafsdp")
+    flat = _scheme(report, FLAT)
     rows.append(
         (
             "flat layout",

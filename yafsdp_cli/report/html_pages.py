@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..inspection.build import InspectReport
+from ..schemes import DDP, FLAT
 from .formatting import human_bytes, human_count
 from .html_base import StackRow, cards, esc, notes_html, page, section_html, stacked_bars
 from .html_charts import plan_heatmap, timeline_svg
 from .html_layout import layout_section
-from .inspect_view import SCHEME_HEADERS, memory_section, notes, summary_section
+from .inspect_view import header, memory_section, notes, summary_section
 
 if TYPE_CHECKING:  # the profiling room imports torch; inspect pages must not
     from ..gate.regressions import CheckReport
@@ -65,7 +66,7 @@ def inspect_body(report: InspectReport) -> str:
 
 def summary_html(report: InspectReport) -> str:
     p, m = report.params, report.memory
-    flat = next(s for s in m.schemes if s.scheme == "yafsdp")
+    flat = next(s for s in m.schemes if s.scheme is FLAT)
     share = 100.0 * p.converted_numel / p.total_numel if p.total_numel else 0.0
     items = (
         ("parameters", human_count(p.total_numel), f"{p.total_numel:,} in {p.total_count}"),
@@ -83,10 +84,10 @@ def summary_html(report: InspectReport) -> str:
 def memory_html(report: InspectReport) -> str:
     rows = [
         StackRow(
-            s.scheme,
-            SCHEME_HEADERS.get(s.scheme, s.scheme),
+            s.scheme.inspect_key,
+            header(s.scheme),
             tuple(getattr(s, f) for f, _ in MEMORY_CATEGORIES),
-            "baseline" if s.scheme == "ddp" else f"{s.savings_percent:.1f}% saved",
+            "baseline" if s.scheme is DDP else f"{s.savings_percent:.1f}% saved",
         )
         for s in report.memory.schemes
     ]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from ..engine import dtypes
 from ..inspection.build import SCHEMA, BufferInfo, InspectReport, shard_rows
+from ..schemes import DDP, FLAT, ZERO2, ZERO3, Scheme
 from .formatting import (
     Section,
     answer_markdown,
@@ -28,13 +29,15 @@ from .fsdp import fsdp_sections, placement_text, warning_line
 ENTRY_HEAD, ENTRY_TAIL = 16, 4  # rows shown of a folded buffer table
 RANK_HEAD, RANK_TAIL = 4, 2  # ranks shown of a folded shard map
 PIECES_SHOWN = 3  # pieces named per rank in a shard map
-SCHEME_HEADERS = {
-    "ddp": "DDP (baseline)",
-    "yafsdp": "yafsdp flat",
-    "zero2": "ZeRO-2*",
-    "zero3": "ZeRO-3*",
-    "fsdp": "FSDP2",
-}
+ESTIMATED = (ZERO2, ZERO3)  # the memory model's rough reference columns, starred
+
+
+def header(scheme: Scheme) -> str:
+    """A scheme's column header: its label, DDP marked as the baseline and the rough
+    reference estimates starred."""
+    if scheme is DDP:
+        return f"{scheme.label} (baseline)"
+    return scheme.label + ("*" if scheme in ESTIMATED else "")
 
 
 # ---------------------------------------------------------------- JSON
@@ -58,12 +61,21 @@ def to_json(report: InspectReport) -> str:
             "module_buffers": report.module_buffers,
             "units": report.units,
             "buffers": report.buffers,
-            "memory": report.memory,
+            "memory": _memory_json(report),
             "notes": report.notes,
             "assumptions": report.assumptions,
             "checkpoint_state": report.stored_state,
         },
     )
+
+
+def _memory_json(report: InspectReport) -> dict:
+    """The ``memory`` key: each scheme spelt by its ``inspect_key``, the schema's
+    contract."""
+    out = plain(report.memory)
+    for row, s in zip(out["schemes"], report.memory.schemes):
+        row["scheme"] = s.scheme.inspect_key
+    return out
 
 
 def payload(report: InspectReport) -> dict:
@@ -229,7 +241,7 @@ def memory_section(report: InspectReport) -> Section:
         f"FSDP2: fully_shard's fullest rank ({placement_text(m.fsdp_placement)}); "
         "* reference estimates; GiB = 1024**3"
     )
-    headers = ("per rank", *(SCHEME_HEADERS.get(s.scheme, s.scheme) for s in schemes))
+    headers = ("per rank", *(header(s.scheme) for s in schemes))
     title = f"memory per rank at world size {report.inputs.world_size}"
     right = tuple(range(1, len(headers)))
     return Section(title, headers, tuple(rows), right=right, caption=caption)
@@ -258,16 +270,14 @@ def answer(report: InspectReport) -> list[str]:
     memory per rank, the flat scheme's saving, and the dtype it rests on."""
     m, p, inp = report.memory, report.params, report.inputs
     by = {s.scheme: s for s in m.schemes}
-    flat, ddp = by["yafsdp"], by["ddp"]
+    flat, ddp = by[FLAT], by[DDP]
     change = (
         f"saves {flat.savings_percent:.1f}%"
         if flat.savings_bytes >= 0
         else f"needs {human_bytes(-flat.savings_bytes)} more"
     )
-    others = [s for s in m.schemes if s.scheme not in ("yafsdp", "ddp")]
-    named = ", ".join(
-        f"{SCHEME_HEADERS.get(s.scheme, s.scheme)} {human_bytes(s.total)}" for s in others
-    )
+    others = [s for s in m.schemes if s.scheme not in (FLAT, DDP)]
+    named = ", ".join(f"{header(s.scheme)} {human_bytes(s.total)}" for s in others)
     return [
         f"per rank at world size {inp.world_size}: yafsdp flat {human_bytes(flat.total)}, "
         f"DDP {human_bytes(ddp.total)} ({change})",
@@ -339,9 +349,9 @@ def memory_bars(report: InspectReport):
 
     rows = tuple(
         BarRow(
-            SCHEME_HEADERS.get(s.scheme, s.scheme),
+            header(s.scheme),
             tuple(getattr(s, f) for f, _ in MEMORY_PARTS),
-            "" if s.scheme == "ddp" else f"{-s.savings_percent:+.1f}%",
+            "" if s.scheme is DDP else f"{-s.savings_percent:+.1f}%",
         )
         for s in report.memory.schemes
     )

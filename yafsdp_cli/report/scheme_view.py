@@ -5,6 +5,7 @@ schemes."""
 from __future__ import annotations
 
 from ..planning import PlanReport
+from ..schemes import FLAT
 from .formatting import Section, human_bytes, markdown_table, plain
 
 
@@ -26,7 +27,7 @@ def side_by_side(report: PlanReport) -> Section:
     rows.append(("flat saves at the peak", *(_saves(s) for s in schemes)))
     return Section(
         title="Schemes side by side: peak per rank of one training step",
-        headers=("", *(s.scheme for s in schemes)),
+        headers=("", *(s.scheme.name for s in schemes)),
         rows=tuple(rows),
         right=tuple(range(1, len(schemes) + 1)),
         caption=_caption(report),
@@ -35,7 +36,7 @@ def side_by_side(report: PlanReport) -> Section:
 
 def settings_lines(report: PlanReport) -> list[str]:
     """What each scheme's rows assume, one line each."""
-    return [f"{s.scheme}: {_settings(s)}" for s in report.schemes]
+    return [f"{s.scheme.name}: {_settings(s)}" for s in report.schemes]
 
 
 def _smallest(s, several: bool) -> str:
@@ -72,7 +73,7 @@ def _settings(s) -> str:
 
 
 def _saves(s) -> str:
-    if s.scheme == "flat" or s.flat_saves_bytes is None:
+    if s.scheme is FLAT or s.flat_saves_bytes is None:
         return "-"
     return f"{human_bytes(s.flat_saves_bytes)} ({s.flat_saves_percent:.1f}%)"
 

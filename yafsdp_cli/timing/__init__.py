@@ -9,10 +9,10 @@ measured efficiencies), the bytes each scheme's collectives move and their ring
 time (``comm_volume``), a configuration's step estimate with the chooser of the best
 one (``step_estimate``), and the measurement of a device into a profile
 (``calibrate``, the library half of ``yafsdp calibrate``). It may import ``profiling``, ``memory``,
-``engine`` and ``errors``; ``planning``, ``report`` and ``cli`` may import it.
+``schemes``, ``engine`` and ``errors``; ``planning``, ``report`` and ``cli`` may import it.
 """
 
-from .comm_volume import SCHEMES, Cluster, Collective, collectives, ring_time, sent_bytes
+from .comm_volume import Cluster, Collective, collectives, ring_time, sent_bytes
 from .gpu_specs import GPUS, GpuSpec, gpu_spec, load_gpu, resolve_gpu
 from .op_costs import OpCost, OpCounter
 from .roofline import Efficiency, PhaseTime, kernel_time, phase_time
@@ -32,7 +32,6 @@ __all__ = [
     "DEFAULT_OBJECTIVE",
     "GPUS",
     "OBJECTIVES",
-    "SCHEMES",
     "Choice",
     "Cluster",
     "Collective",

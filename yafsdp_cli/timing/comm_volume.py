@@ -1,8 +1,11 @@
 """The collectives of one step under each scheme, the bytes a rank sends, their ring time.
 
-Per scheme, in the order a rank issues them (``collectives``):
+Per scheme (what each ``schemes.Scheme``'s ``collectives`` says: whether units'
+parameters are all-gathered, how gradients are reduced, what one collective is), in
+the order a rank issues them (``collectives``); this module takes a scheme or its
+``timing_key``, the name the plan's JSON records:
 
-- ``yafsdp`` (the flat layout, as ``engine.sharded`` runs it): forward, an
+- ``flat`` (``yafsdp``: the flat layout, as ``engine.sharded`` runs it): forward, an
   all-gather of every flat buffer, unit by unit (the root unit's first); backward,
   units in reverse, an all-gather again of every buffer of a non-root unit (resharded
   after forward; the root stays gathered) and a reduce-scatter of every trainable
@@ -14,7 +17,7 @@ Per scheme, in the order a rank issues them (``collectives``):
   chunk times the world size, in the training dtype, in forward and again in
   backward for every unit but the root (not resharded after forward); one
   reduce-scatter per unit in the gradient dtype (``MemoryConfig.grad_dtype``,
-  else the training dtype); unconverted parameters as for ``yafsdp``;
+  else the training dtype); unconverted parameters as for ``flat``;
 - ``ddp``: one all-reduce per unit's gradients, in the gradient dtype, in backward
   (DDP's buckets are about a unit's size in a large model; their count only moves
   the latency term).
@@ -45,10 +48,9 @@ from ..engine.units import ROOT
 from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
 from ..memory.fsdp2 import place
+from ..schemes import Collectives, Scheme, timed
 from .gpu_specs import GpuSpec
 
-Scheme = Literal["yafsdp", "fsdp2", "ddp"]
-SCHEMES = ("yafsdp", "fsdp2", "ddp")
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
@@ -80,10 +82,20 @@ class Collective:
     sent: int  # what this rank sends in a ring of world_size
 
 
-def check_scheme(scheme: str) -> Scheme:
-    if scheme not in SCHEMES:
-        raise YafsdpError(f"scheme {scheme!r} is not one of {'|'.join(SCHEMES)}")
-    return scheme  # type: ignore[return-value]
+def check_scheme(scheme: Scheme | str) -> Scheme:
+    """A scheme the step-time model has collectives for, given as itself or by its
+    ``timing_key``."""
+    known = timed()
+    found = (
+        scheme
+        if isinstance(scheme, Scheme)
+        else next((s for s in known if s.timing_key == scheme), None)
+    )
+    if found is None or found.collectives is None:
+        given = scheme.name if isinstance(scheme, Scheme) else scheme
+        keys = "|".join(str(s.timing_key) for s in known)
+        raise YafsdpError(f"scheme {given!r} is not one of {keys}")
+    return found
 
 
 def ring_sent(kind: str, nbytes: int, n: int) -> int:
@@ -116,7 +128,7 @@ def unit_order(layout: Layout) -> list[str]:
 
 
 def collectives(
-    layout: Layout, scheme: str, cfg: MemoryConfig | None = None, placement: str = "dim0"
+    layout: Layout, scheme: Scheme | str, cfg: MemoryConfig | None = None, placement: str = "dim0"
 ) -> tuple[Collective, ...]:
     """Every collective of one step for one rank of ``layout.world_size``, in issue
     order; none at world size 1."""
@@ -124,7 +136,8 @@ def collectives(
     n = layout.world_size
     if n == 1:
         return ()
-    sizes = _sizes(layout, check_scheme(scheme), cfg, placement)
+    how = check_scheme(scheme).collectives
+    sizes = _sizes(layout, how, cfg, placement)
     out: list[Collective] = []
     order = unit_order(layout)
 
@@ -132,32 +145,31 @@ def collectives(
         if nbytes:
             out.append(Collective(kind, unit, phase, nbytes, ring_sent(kind, nbytes, n)))
 
-    if scheme != "ddp":
+    if how.gathers_params:
         for unit in order:
             for nbytes in sizes["gather"].get(unit, []):
                 add("all_gather", unit, "forward", nbytes)
     for unit in reversed(order):
-        if scheme != "ddp" and unit != ROOT:
+        if how.gathers_params and unit != ROOT:
             for nbytes in sizes["gather"].get(unit, []):
                 add("all_gather", unit, "backward", nbytes)
-        kind = "all_reduce" if scheme == "ddp" else "reduce_scatter"
         for nbytes in sizes["reduce"].get(unit, []):
-            add(kind, unit, "backward", nbytes)
+            add(how.reduces, unit, "backward", nbytes)
     for nbytes in sizes["kept"]:
         add("all_reduce", ROOT, "backward", nbytes)
     return tuple(out)
 
 
-def _sizes(layout: Layout, scheme: Scheme, cfg: MemoryConfig, placement: str) -> dict:
+def _sizes(layout: Layout, how: Collectives, cfg: MemoryConfig, placement: str) -> dict:
     """unit -> collective sizes for gathers and reductions; kept gradients' sizes."""
     gather: dict[str, list[int]] = {}
     reduce: dict[str, list[int]] = {}
-    if scheme == "yafsdp":
+    if how.sized_by == "buffers":
         for b in layout.buffers:
             gather.setdefault(b.unit, []).append(b.nbytes)
             if b.requires_grad:
                 reduce.setdefault(b.unit, []).append(b.nbytes)
-    elif scheme == "fsdp2":
+    elif how.sized_by == "placement":
         n = layout.world_size
         g: dict[str, int] = {}
         r: dict[str, int] = {}
@@ -178,7 +190,7 @@ def _sizes(layout: Layout, scheme: Scheme, cfg: MemoryConfig, placement: str) ->
         for t in layout.kept
         if t.is_param and t.requires_grad and t.floating
     ]
-    if scheme == "ddp" and kept:
+    if how.reduces == "all_reduce" and kept:  # bucketed with the root's gradients
         reduce[ROOT] = [reduce.get(ROOT, [0])[0] + sum(kept)]
         kept = []
     return {"gather": gather, "reduce": reduce, "kept": kept}

@@ -40,6 +40,7 @@ from ..engine.layout import Layout
 from ..engine.units import ROOT
 from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
+from ..schemes import FLAT, WHOLE, Scheme
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, sent_bytes, unit_order
 from .gpu_specs import GpuSpec
 from .roofline import Efficiency, PhaseTime, phase_time
@@ -51,7 +52,7 @@ class StepEstimate:
     """One configuration's step on one GPU model; seconds, bytes, FLOPs."""
 
     gpu: str
-    scheme: str
+    scheme: str  # the scheme's timing_key (the plan's JSON spells it so)
     world_size: int
     tokens: int  # per GPU per step
     forward_s: float
@@ -75,7 +76,7 @@ def estimate_step(
     layout: Layout,
     gpu: GpuSpec,
     *,
-    scheme: str = "yafsdp",
+    scheme: Scheme | str = FLAT,
     cluster: Cluster | None = None,
     eff: Efficiency | None = None,
     cfg: MemoryConfig | None = None,
@@ -86,13 +87,12 @@ def estimate_step(
     ``phases``: ``phase_times(costs, gpu, eff)`` where the caller has them (they do
     not depend on the layout, so a grid of world sizes computes them once)."""
     cluster, eff = cluster or Cluster(), eff or Efficiency()
+    scheme = check_scheme(scheme)
     n = layout.world_size
     phases = phases or phase_times(costs, gpu, eff)
     fwd, bwd, opt = phases["forward"], phases["backward"], phases["optimizer"]
     floor = opt.kernels * eff.kernel_floor_s
-    optimizer_s = (opt.seconds - floor) * _stepped_share(
-        layout, check_scheme(scheme), costs
-    ) + floor
+    optimizer_s = (opt.seconds - floor) * _stepped_share(layout, scheme, costs) + floor
     found = collectives(layout, scheme, cfg, placement)
     times = [ring_time(c.kind, c.bytes, n, gpu, cluster) for c in found]
     exposed = _exposed(layout, found, times, fwd.seconds, bwd.seconds)
@@ -100,7 +100,7 @@ def estimate_step(
     model = costs.model_flops
     return StepEstimate(
         gpu=gpu.name,
-        scheme=scheme,
+        scheme=scheme.timing_key,
         world_size=n,
         tokens=costs.tokens,
         forward_s=fwd.seconds,
@@ -129,9 +129,9 @@ def _main_dtype(costs: StepCosts) -> str:
     return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
 
 
-def _stepped_share(layout: Layout, scheme: str, costs: StepCosts) -> float:
+def _stepped_share(layout: Layout, scheme: Scheme, costs: StepCosts) -> float:
     """The part of the parameters one rank's optimizer steps."""
-    if scheme == "ddp" or layout.world_size == 1 or not costs.params:
+    if scheme.holds.optimizer == WHOLE or layout.world_size == 1 or not costs.params:
         return 1.0
     shards = sum(b.shard_numel for b in layout.buffers if b.requires_grad)
     kept = sum(t.numel for t in layout.kept if t.is_param and t.requires_grad and t.floating)
