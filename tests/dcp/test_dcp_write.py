@@ -14,8 +14,13 @@ import torch.distributed.checkpoint as dcp
 from dcp_samples import save_dcp, training_checkpoint
 
 from yafsdp_cli.checkpoint import convert_checkpoint, open_flat, restore_checkpoint
-from yafsdp_cli.checkpoint.restore import state_dict_items
-from yafsdp_cli.checkpoint.train_restore import extras_of, nest, read_tensor, training_items
+from yafsdp_cli.checkpoint.restore.read_back import (
+    extras_of,
+    nest,
+    read_tensor,
+    state_dict_items,
+    training_items,
+)
 
 
 def torch_writes(ckpt, out: Path) -> None:
