@@ -35,7 +35,7 @@ Modules by role:
   buffers) and ``sharded_training`` (the same on each rank of a ``ShardedFlat`` run:
   its slice, its rank file).
 
-It may import ``sources``, ``engine``, ``fileio`` and ``errors``; only
+It may import ``options``, ``sources``, ``engine``, ``fileio`` and ``errors``; only
 ``cli`` and ``report`` import it.
 
 Everything streams: no function here holds a model, and none imports torch except
@@ -43,7 +43,9 @@ Everything streams: no function here holds a model, and none imports torch excep
 ``.pt`` state dict).
 
 >>> from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
->>> convert_checkpoint("model.safetensors", "flat.safetensors", world_size=8)  # doctest: +SKIP
+>>> from yafsdp_cli.options import LayoutOptions
+>>> layout = LayoutOptions(world_size=8)
+>>> convert_checkpoint("model.safetensors", "flat.safetensors", layout)  # doctest: +SKIP
 >>> restore_checkpoint("flat.safetensors", "model.restored.safetensors")  # doctest: +SKIP
 """
 
