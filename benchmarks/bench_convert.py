@@ -56,9 +56,9 @@ LAYERS, HIDDEN, INTER, VOCAB = 4, 2048, 5504, 32000
 REPEAT = 5
 
 
-def llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
+def llama_shapes(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
         shapes += [
             (p + "input_layernorm.weight", (HIDDEN,)),
@@ -74,10 +74,10 @@ def llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return shapes + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
 
 
-def make_checkpoint(path: Path) -> None:
+def make_checkpoint(path: Path, layers: int = LAYERS) -> None:
     """A plain safetensors file (header by hand: this must not depend on yafsdp)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in llama_shapes():
+    for name, shape in llama_shapes(layers):
         n = 4 * shape[0] * (shape[1] if len(shape) > 1 else 1)
         header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n

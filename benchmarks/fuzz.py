@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from yafsdp_cli.options import LayoutOptions
+
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE_VALUES = (
     -1,
@@ -188,7 +190,9 @@ class FlatTarget(Target):
         from yafsdp_cli.checkpoint import convert_checkpoint
 
         flat = work / "seed.safetensors"
-        convert_checkpoint(ROOT / "sample_models" / "cnn.safetensors", flat, world_size=2)
+        convert_checkpoint(
+            ROOT / "sample_models" / "cnn.safetensors", flat, LayoutOptions(world_size=2)
+        )
         self.seed = flat.read_bytes()
 
     def mutant(self, rng: random.Random) -> bytes:

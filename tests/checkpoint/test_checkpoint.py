@@ -25,6 +25,7 @@ from yafsdp_cli.checkpoint import (
     reshard_checkpoint,
     restore_checkpoint,
 )
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 
 SAFETENSORS = ("mlp", "cnn", "gpt", "llama", "moe")
@@ -41,7 +42,7 @@ def source_tensors(path) -> dict:
 def test_safetensors_samples_round_trip(tmp_path, name, world_size, align):
     src = sample(f"{name}.safetensors")
     flat = tmp_path / "flat.safetensors"
-    result = convert_checkpoint(src, flat, world_size=world_size, align=align)
+    result = convert_checkpoint(src, flat, LayoutOptions(world_size=world_size, align=align))
     assert result.written and flat.is_file()
     assert result.bytes_read == sum(raw(t).__len__() for t in load_st(src).values())
     out = tmp_path / "restored.safetensors"
@@ -60,7 +61,7 @@ def test_safetensors_samples_round_trip(tmp_path, name, world_size, align):
 def test_state_dict_sources_round_trip(tmp_path, name, suffix):
     src = sample(name)
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(src, flat, world_size=2)
+    convert_checkpoint(src, flat, LayoutOptions(world_size=2))
     out = tmp_path / f"restored{suffix}"
     restore_checkpoint(flat, out)
     original = torch.load(src, weights_only=True)
@@ -80,7 +81,10 @@ def test_model_factory_round_trip_loads_into_the_model(tmp_path, name):
     factory = f"sample_models.models:{name}"
     flat = tmp_path / "flat.safetensors"
     convert_checkpoint(
-        sample(f"{name}.safetensors"), flat, model=factory, world_size=4, filters=["linear"]
+        sample(f"{name}.safetensors"),
+        flat,
+        LayoutOptions(filters=["linear"], world_size=4),
+        model=factory,
     )
     out = tmp_path / "restored.safetensors"
     restore_checkpoint(flat, out)
@@ -92,7 +96,9 @@ def test_model_factory_round_trip_loads_into_the_model(tmp_path, name):
 
 def test_factory_without_weights_uses_its_seeded_initialization(tmp_path):
     flat = tmp_path / "flat.safetensors"
-    result = convert_checkpoint(None, flat, model="sample_models.models:mlp", world_size=2)
+    result = convert_checkpoint(
+        None, flat, LayoutOptions(world_size=2), model="sample_models.models:mlp"
+    )
     assert any("initialization" in n for n in result.notes)
     out = tmp_path / "restored.pt"
     restore_checkpoint(flat, out)
@@ -114,7 +120,9 @@ def test_llama_mixed_dtypes_filters_units(tmp_path, filters, excludes, units, al
     src = sample("llama.safetensors")
     flat = tmp_path / "flat.safetensors"
     result = convert_checkpoint(
-        src, flat, filters=filters, excludes=excludes, units=units, world_size=3, align=align
+        src,
+        flat,
+        LayoutOptions(filters=filters, excludes=excludes, units=units, world_size=3, align=align),
     )
     expected = plan(
         load_source(src).spec,
@@ -146,7 +154,7 @@ def test_llama_mixed_dtypes_filters_units(tmp_path, filters, excludes, units, al
 def test_reshard_round_trip(tmp_path, n, sharded_in, m, sharded_out):
     src = sample("moe.safetensors")
     first = tmp_path / ("in" if sharded_in else "in.safetensors")
-    convert_checkpoint(src, first, world_size=n, sharded=sharded_in, align="fsdp")
+    convert_checkpoint(src, first, LayoutOptions(world_size=n, align="fsdp"), sharded=sharded_in)
     second = tmp_path / ("out" if sharded_out else "out.safetensors")
     result = reshard_checkpoint(first, second, world_size=m, sharded=sharded_out)
     assert result.input_world_size == n and result.checkpoint.world_size == m
@@ -155,7 +163,7 @@ def test_reshard_round_trip(tmp_path, n, sharded_in, m, sharded_out):
     assert_same_tensors(load_st(src), load_st(restored))
     # re-planning for M gives what planning for M directly gives: the same bytes
     direct = tmp_path / ("direct" if sharded_out else "direct.safetensors")
-    convert_checkpoint(src, direct, world_size=m, sharded=sharded_out, align="fsdp")
+    convert_checkpoint(src, direct, LayoutOptions(world_size=m, align="fsdp"), sharded=sharded_out)
     assert _tree_bytes(second) == _tree_bytes(direct)
 
 
@@ -177,7 +185,7 @@ def test_flat_file_reads_with_plain_safetensors(tmp_path):
     """What docs/checkpoints.md promises: safe_open + json give every parameter back."""
     src = sample("gpt.safetensors")
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(src, flat, world_size=4, align="megatron")
+    convert_checkpoint(src, flat, LayoutOptions(world_size=4, align="megatron"))
     original = load_st(src)
     with safe_open(str(flat), "pt") as f:
         meta = f.metadata()
@@ -201,7 +209,7 @@ def test_flat_file_reads_with_plain_safetensors(tmp_path):
 def test_sharded_set_reads_with_plain_safetensors(tmp_path):
     src = sample("cnn.safetensors")
     out = tmp_path / "set"
-    result = convert_checkpoint(src, out, world_size=4, sharded=True)
+    result = convert_checkpoint(src, out, LayoutOptions(world_size=4), sharded=True)
     index = json.loads((out / INDEX_NAME).read_text())
     names = [Path(f.path).name for f in result.checkpoint.files]
     assert [r["file"] for r in index["ranks"]] == names
@@ -222,7 +230,7 @@ def test_sharded_set_reads_with_plain_safetensors(tmp_path):
 
 def test_data_is_aligned_to_each_tensors_itemsize(tmp_path):
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(sample("llama.safetensors"), flat, world_size=3, align="none")
+    convert_checkpoint(sample("llama.safetensors"), flat, LayoutOptions(world_size=3, align="none"))
     header, _ = read_header(flat)
     raw_len = int.from_bytes(flat.read_bytes()[:8], "little")
     assert raw_len % 8 == 0
@@ -238,8 +246,9 @@ def test_convert_of_safetensors_does_not_import_torch(tmp_path):
         "import sys\n"
         "from yafsdp_cli.checkpoint import convert_checkpoint, reshard_checkpoint\n"
         "from yafsdp_cli.checkpoint import restore_checkpoint\n"
+        "from yafsdp_cli.options import LayoutOptions\n"
         f"convert_checkpoint({str(sample('llama.safetensors'))!r}, {str(flat)!r},"
-        " world_size=2, verify=True)\n"
+        " LayoutOptions(world_size=2), verify=True)\n"
         f"reshard_checkpoint({str(flat)!r}, {str(folder)!r}, world_size=4, sharded=True)\n"
         f"restore_checkpoint({str(folder)!r}, {str(restored)!r})\n"
         "print('torch' in sys.modules)\n"
@@ -252,15 +261,17 @@ def test_convert_of_safetensors_does_not_import_torch(tmp_path):
 
 
 def test_verify_runs_the_model_check_with_an_architecture(tmp_path):
-    from yafsdp_cli.verify import model_check
+    from yafsdp_cli import verify
+
+    def model_check(loaded, layout):  # as the command line hands it the convert's layout
+        return verify.model_check(loaded, {"layout": layout})
 
     flat = tmp_path / "flat.safetensors"
     result = convert_checkpoint(
         sample("gpt.safetensors"),
         flat,
+        LayoutOptions(filters=["linear"], world_size=2),
         model="sample_models.models:gpt",
-        filters=["linear"],
-        world_size=2,
         verify=True,
         model_check=model_check,
     )

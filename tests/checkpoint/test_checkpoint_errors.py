@@ -17,19 +17,22 @@ from yafsdp_cli.checkpoint import (
     restore_checkpoint,
 )
 from yafsdp_cli.checkpoint import convert as convert_mod
+from yafsdp_cli.options import LayoutOptions
 
 
 @pytest.fixture
 def flat(tmp_path):
     path = tmp_path / "flat.safetensors"
-    convert_checkpoint(sample("gpt.safetensors"), path, world_size=4, align="megatron")
+    convert_checkpoint(
+        sample("gpt.safetensors"), path, LayoutOptions(world_size=4, align="megatron")
+    )
     return path
 
 
 @pytest.fixture
 def sharded(tmp_path):
     path = tmp_path / "set"
-    convert_checkpoint(sample("cnn.safetensors"), path, world_size=4, sharded=True)
+    convert_checkpoint(sample("cnn.safetensors"), path, LayoutOptions(world_size=4), sharded=True)
     return path
 
 
@@ -118,7 +121,10 @@ def test_missing_rank_file_is_refused(tmp_path, sharded):
 def test_mismatched_rank_layouts_are_refused(tmp_path, sharded):
     other = tmp_path / "other"
     convert_checkpoint(
-        sample("cnn.safetensors"), other, world_size=4, sharded=True, filters=["name:features.0.*"]
+        sample("cnn.safetensors"),
+        other,
+        LayoutOptions(filters=["name:features.0.*"], world_size=4),
+        sharded=True,
     )
     shutil.copy(other / "rank-00001-of-00004.safetensors", sharded)
     with pytest.raises(CheckpointError, match="rank 1's file .* different layout than the index"):
@@ -196,7 +202,11 @@ def test_a_folder_that_is_not_a_set_is_never_replaced(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("precious")
     with pytest.raises(CheckpointError, match="not a yafsdp sharded checkpoint .* even with"):
         convert_checkpoint(
-            sample("mlp.safetensors"), tmp_path / "mine", sharded=True, world_size=2, force=True
+            sample("mlp.safetensors"),
+            tmp_path / "mine",
+            LayoutOptions(world_size=2),
+            sharded=True,
+            force=True,
         )
     assert listing(tmp_path / "mine") == ["notes.txt"]
 
@@ -235,7 +245,7 @@ def test_failure_mid_write_leaves_nothing(tmp_path, exc, sharded_out):
         convert_checkpoint(
             sample("gpt.safetensors"),
             out,
-            world_size=3,
+            LayoutOptions(world_size=3),
             sharded=sharded_out,
             progress=failing_after(5, exc),
         )

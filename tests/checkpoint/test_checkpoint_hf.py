@@ -10,6 +10,7 @@ from checkpoint_helpers import assert_same_tensors
 from safetensors.torch import load_model
 
 from yafsdp_cli.checkpoint import convert_checkpoint, reshard_checkpoint, restore_checkpoint
+from yafsdp_cli.options import LayoutOptions
 
 tf = pytest.importorskip("transformers")
 from hf_models import tiny_model  # noqa: E402
@@ -29,7 +30,10 @@ def test_hf_folder_round_trip_loads_with_from_pretrained(tmp_path, name):
     model.save_pretrained(tmp_path / "src")
     flat = tmp_path / "flat"
     result = convert_checkpoint(
-        tmp_path / "src", flat, world_size=2, sharded=True, filters=["linear", "embedding"]
+        tmp_path / "src",
+        flat,
+        LayoutOptions(filters=["linear", "embedding"], world_size=2),
+        sharded=True,
     )
     assert result.source_kind == "hf" and result.checkpoint.kept  # norms kept as they are
     resharded = tmp_path / "flat3.safetensors"

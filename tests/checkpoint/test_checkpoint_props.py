@@ -18,6 +18,7 @@ from yafsdp_cli.checkpoint import (
     reshard_checkpoint,
     restore_checkpoint,
 )
+from yafsdp_cli.options import LayoutOptions
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8)
 
@@ -65,7 +66,7 @@ def test_random_round_trip(items, seed, n, m, align, sharded_in, sharded_out):
         src = work / "src.safetensors"
         save_file(state, str(src))
         first = work / ("a" if sharded_in else "a.safetensors")
-        convert_checkpoint(src, first, world_size=n, align=align, sharded=sharded_in)
+        convert_checkpoint(src, first, LayoutOptions(world_size=n, align=align), sharded=sharded_in)
         second = work / ("b" if sharded_out else "b.safetensors")
         reshard_checkpoint(first, second, world_size=m, sharded=sharded_out)
         ckpt = open_flat(second)
@@ -157,7 +158,7 @@ def test_tied_groups_round_trip_and_reshard_there_and_back_is_the_identity(
         src = work / "src.pt"
         torch.save(state, src)
         first = work / ("a" if sharded else "a.safetensors")
-        convert_checkpoint(src, first, world_size=n, align=align, sharded=sharded)
+        convert_checkpoint(src, first, LayoutOptions(world_size=n, align=align), sharded=sharded)
         layout = open_flat(first).layout
         check_layout(layout)
         assert relayout(relayout(layout, m), n) == layout

@@ -33,6 +33,7 @@ from yafsdp_cli.checkpoint import crc as crc_mod
 from yafsdp_cli.checkpoint.file_ranges import Copier, FileRange, Zeros, coalesce, data_segments
 from yafsdp_cli.checkpoint.format import Checksum
 from yafsdp_cli.errors import CheckpointError
+from yafsdp_cli.options import LayoutOptions
 
 MiB = 1024 * 1024
 
@@ -55,11 +56,11 @@ def test_fast_crc_is_zlibs_crc(data, crc):
 def test_zlib_fallback_writes_the_same_file_byte_for_byte(tmp_path, monkeypatch):
     """Without isal the same CRC-32 comes from zlib: files do not depend on it."""
     fast = tmp_path / "fast.safetensors"
-    convert_checkpoint(sample("llama.safetensors"), fast, world_size=4)
+    convert_checkpoint(sample("llama.safetensors"), fast, LayoutOptions(world_size=4))
     monkeypatch.setattr(crc_mod, "_fast_crc32", None)
     assert crc_mod.backend() == "zlib"
     slow = tmp_path / "slow.safetensors"
-    convert_checkpoint(sample("llama.safetensors"), slow, world_size=4)
+    convert_checkpoint(sample("llama.safetensors"), slow, LayoutOptions(world_size=4))
     assert fast.read_bytes() == slow.read_bytes()
     restore_checkpoint(fast, tmp_path / "r.safetensors")  # zlib verifies isal's sums
 
@@ -355,7 +356,7 @@ def test_sparse_source_converts_to_a_sparse_checkpoint_and_back(tmp_path):
     if os.stat(src).st_blocks * 512 > MiB:
         pytest.skip("this file system does not keep holes")
     flat, folder = tmp_path / "flat.safetensors", tmp_path / "set"
-    info = convert_checkpoint(src, flat, world_size=8).checkpoint
+    info = convert_checkpoint(src, flat, LayoutOptions(world_size=8)).checkpoint
     assert os.stat(flat).st_blocks * 512 < MiB < size
     (buffer,) = info.buffers  # one root buffer: no ModuleList, no units
     zero_sum = f"crc32:{zlib.crc32(bytes(buffer.nbytes)):08x}"
@@ -389,7 +390,7 @@ def test_round_trips_are_bit_exact_on_every_copy_path(tmp_path, monkeypatch, ref
     monkeypatch.setattr(Copier, "_count", count)
     src = sample("cnn.safetensors")  # has a kept tensor (num_batches_tracked, int64)
     flat, folder = tmp_path / "flat.safetensors", tmp_path / "set"
-    r = convert_checkpoint(src, flat, world_size=3, verify=True)
+    r = convert_checkpoint(src, flat, LayoutOptions(world_size=3), verify=True)
     assert r.verify.ok and not r.verify.mismatches
     reshard_checkpoint(flat, folder, world_size=4, sharded=True)
     back = tmp_path / "back.safetensors"
@@ -408,7 +409,9 @@ def test_input_checked_in_the_copy_pass_still_refuses_any_changed_byte(tmp_path,
     CRC from the ledger) or a padding byte (not copied, read by verify) that changed
     is refused, and nothing appears at the output."""
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(sample("gpt.safetensors"), flat, world_size=4, align="megatron")
+    convert_checkpoint(
+        sample("gpt.safetensors"), flat, LayoutOptions(world_size=4, align="megatron")
+    )
     header, data = read_header(flat)
     layout = json.loads(header["__metadata__"]["yafsdp.layout"])
     buf = next(b for b in layout["buffers"] if b["padded_numel"] > b["end"])
@@ -431,7 +434,7 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
     out = tmp_path / "out" / "flat.safetensors"
     out.parent.mkdir()
     with pytest.raises(CheckpointError, match=r"no space left on device while writing .*out"):
-        convert_checkpoint(sample("llama.safetensors"), out, world_size=2)
+        convert_checkpoint(sample("llama.safetensors"), out, LayoutOptions(world_size=2))
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -440,7 +443,7 @@ def test_the_input_is_read_once(tmp_path, monkeypatch, command):
     """Each input byte enters this process once: the CRC read back after the kernel
     copy serves the input check too, which then reads only what was not copied."""
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(sample("gpt.safetensors"), flat, world_size=4)
+    convert_checkpoint(sample("gpt.safetensors"), flat, LayoutOptions(world_size=4))
     reread: list[int] = []
     real = Copier.hash
 
@@ -572,7 +575,7 @@ def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_page(
     src = sample("llama.safetensors")
     phase = _data_start(src) % 4096
     out = tmp_path / ("set" if sharded else "flat.safetensors")
-    convert_checkpoint(src, out, world_size=4, sharded=sharded, verify=True)
+    convert_checkpoint(src, out, LayoutOptions(world_size=4), sharded=sharded, verify=True)
     files = sorted(out.glob("*.safetensors")) if sharded else [out]
     assert files and {_data_start(f) % 4096 for f in files} == {phase}
     for f in files:
@@ -582,7 +585,7 @@ def test_a_big_flat_file_starts_its_data_where_the_source_does_within_a_page(
     again = tmp_path / "again.safetensors"
     reshard_checkpoint(out, again, world_size=3)
     direct = tmp_path / "direct.safetensors"
-    convert_checkpoint(src, direct, world_size=3)
+    convert_checkpoint(src, direct, LayoutOptions(world_size=3))
     assert _data_start(again) % 4096 == phase
     assert again.read_bytes() == direct.read_bytes()  # as a direct conversion
     back = tmp_path / "back.safetensors"
@@ -603,7 +606,7 @@ def test_restore_gives_back_the_bytes_safetensors_wrote_whatever_the_padding(tmp
     src = tmp_path / "model.safetensors"
     save_file(load_st(sample("llama.safetensors")), str(src), metadata={"format": "pt"})
     flat, back = tmp_path / "flat.safetensors", tmp_path / "back.safetensors"
-    convert_checkpoint(src, flat, world_size=4)
+    convert_checkpoint(src, flat, LayoutOptions(world_size=4))
     restore_checkpoint(flat, back)
     assert back.read_bytes() == src.read_bytes()
 
@@ -613,7 +616,7 @@ def test_a_small_flat_file_is_not_padded(tmp_path):
     starts at the next multiple of 8, as safetensors writes it."""
     src = sample("llama.safetensors")
     out = tmp_path / "flat.safetensors"
-    convert_checkpoint(src, out, world_size=4)
+    convert_checkpoint(src, out, LayoutOptions(world_size=4))
     header_len = _data_start(out) - 8
     raw = out.read_bytes()[8 : 8 + header_len]
     assert header_len % 8 == 0 and len(raw) - len(raw.rstrip(b" ")) < 8

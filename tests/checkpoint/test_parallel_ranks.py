@@ -17,6 +17,7 @@ from yafsdp_cli.checkpoint import (
 from yafsdp_cli.checkpoint import file_ranges as copy_mod
 from yafsdp_cli.checkpoint.file_ranges import FileRange, Zeros
 from yafsdp_cli.checkpoint.flat_writer import shard_pieces
+from yafsdp_cli.options import LayoutOptions
 
 
 def files_of(folder) -> dict[str, bytes]:
@@ -32,12 +33,12 @@ def writers(monkeypatch, n: int) -> None:
 def test_side_by_side_writes_the_bytes_one_writer_writes(tmp_path, monkeypatch, source):
     writers(monkeypatch, 2)
     together = tmp_path / "two"
-    convert_checkpoint(sample(source), together, world_size=5, sharded=True)
+    convert_checkpoint(sample(source), together, LayoutOptions(world_size=5), sharded=True)
     resharded = tmp_path / "two3"
     reshard_checkpoint(together, resharded, world_size=3, sharded=True)
     writers(monkeypatch, 1)
     alone = tmp_path / "one"
-    convert_checkpoint(sample(source), alone, world_size=5, sharded=True)
+    convert_checkpoint(sample(source), alone, LayoutOptions(world_size=5), sharded=True)
     resharded_alone = tmp_path / "one3"
     reshard_checkpoint(alone, resharded_alone, world_size=3, sharded=True)
     assert files_of(together) == files_of(alone)
@@ -56,12 +57,40 @@ def test_the_side_by_side_path_is_the_one_taken(tmp_path, monkeypatch):
 
     monkeypatch.setattr(flat_writer, "write_side_by_side", spy)
     writers(monkeypatch, 2)
-    convert_checkpoint(sample("gpt.safetensors"), tmp_path / "a", world_size=4, sharded=True)
-    assert threads == [2]
     convert_checkpoint(
-        sample("gpt.pt"), tmp_path / "b", world_size=4, sharded=True, trust_pickle=True
+        sample("gpt.safetensors"), tmp_path / "a", LayoutOptions(world_size=4), sharded=True
     )
     assert threads == [2]
+    convert_checkpoint(
+        sample("gpt.pt"),
+        tmp_path / "b",
+        LayoutOptions(world_size=4),
+        sharded=True,
+        trust_pickle=True,
+    )
+    assert threads == [2]
+
+
+def test_writer_threads_forces_the_count_whatever_the_machine(tmp_path, monkeypatch):
+    """``writer_threads=1`` writes the rank files one after another (what
+    ``benchmarks/bench_two_writers.py`` sets two writers against), ``2`` side by side,
+    with the same bytes."""
+    threads: list[int] = []
+    real = parallel_ranks.write_side_by_side
+
+    def spy(writers, contents, copier, tick, n):
+        threads.append(n)
+        return real(writers, contents, copier, tick, n)
+
+    monkeypatch.setattr(flat_writer, "write_side_by_side", spy)
+    writers(monkeypatch, 1)
+    src, layout = sample("gpt.safetensors"), LayoutOptions(world_size=4)
+    convert_checkpoint(src, tmp_path / "two", layout, sharded=True, writer_threads=2)
+    assert threads == [2]
+    writers(monkeypatch, 2)
+    convert_checkpoint(src, tmp_path / "one", layout, sharded=True, writer_threads=1)
+    assert threads == [2]  # the one-writer path: no threads
+    assert files_of(tmp_path / "two") == files_of(tmp_path / "one")
 
 
 def test_a_failing_writer_stops_the_others_and_leaves_nothing(tmp_path, monkeypatch):
@@ -83,7 +112,9 @@ def test_a_failing_writer_stops_the_others_and_leaves_nothing(tmp_path, monkeypa
     for _ in range(10):  # the writers race differently each time
         calls.clear()
         with pytest.raises(CheckpointError, match="copy failed"):
-            convert_checkpoint(sample("gpt.safetensors"), out, world_size=4, sharded=True)
+            convert_checkpoint(
+                sample("gpt.safetensors"), out, LayoutOptions(world_size=4), sharded=True
+            )
         assert list(out.parent.iterdir()) == []
         assert not [t for t in parallel_ranks.threading.enumerate() if "yafsdp-writer" in t.name]
 

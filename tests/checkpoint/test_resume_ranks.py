@@ -34,6 +34,7 @@ from yafsdp_cli.checkpoint.flat_training import (
 from yafsdp_cli.checkpoint.sharded_training import save_sharded_training, sharded_adamw
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.sharded import LocalComm, ShardedFlat
+from yafsdp_cli.options import LayoutOptions
 
 STEPS = 3  # before the break, and after it
 
@@ -230,7 +231,9 @@ def test_a_rank_loads_its_slice_of_a_one_process_checkpoint(saved4):
 def test_a_weights_only_checkpoint_is_refused(tmp_path):
     from yafsdp_cli.checkpoint import convert_checkpoint
 
-    convert_checkpoint("sample_models/gpt.safetensors", tmp_path / "w", world_size=4, sharded=True)
+    convert_checkpoint(
+        "sample_models/gpt.safetensors", tmp_path / "w", LayoutOptions(world_size=4), sharded=True
+    )
     with pytest.raises(CheckpointError) as exc:
         sharded_adamw(sharded_gpt(4), tmp_path / "w")
     assert "holds no AdamW state (weights only)" in one_line(exc)

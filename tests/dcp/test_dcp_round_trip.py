@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from yafsdp_cli import CheckpointError
 from yafsdp_cli.checkpoint import convert_checkpoint, dcp_write, restore_checkpoint
 from yafsdp_cli.cli import app
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()
@@ -68,12 +69,12 @@ def test_sharded_flat_set_to_dcp_and_back_to_safetensors(tmp_path):
     """Entries that straddle rank files are reassembled; bf16/fp32 mixed."""
     src = sample("llama.safetensors")
     flat, dcp_dir, again = tmp_path / "set", tmp_path / "dcp", tmp_path / "again.safetensors"
-    convert_checkpoint(src, flat, world_size=3, sharded=True, align="none")
+    convert_checkpoint(src, flat, LayoutOptions(world_size=3, align="none"), sharded=True)
     result = restore_checkpoint(flat, dcp_dir, fmt="dcp")
     assert result.format == "dcp" and result.input_sharded
     original = load_st(src)
     assert_same_tensors(load_dcp_tensors(dcp_dir, original), original)
-    convert_checkpoint(dcp_dir, tmp_path / "f2.safetensors", world_size=2)
+    convert_checkpoint(dcp_dir, tmp_path / "f2.safetensors", LayoutOptions(world_size=2))
     restore_checkpoint(tmp_path / "f2.safetensors", again)
     assert_same_tensors(load_st(again), original)
 
@@ -167,6 +168,6 @@ def test_round_trip_property(tmp_path_factory, shapes, dtypes, world, sharded):
     }
     save_dcp(tmp / "src", state)
     flat = tmp / ("set" if sharded else "flat.safetensors")
-    convert_checkpoint(tmp / "src", flat, world_size=world, sharded=sharded)
+    convert_checkpoint(tmp / "src", flat, LayoutOptions(world_size=world), sharded=sharded)
     restore_checkpoint(flat, tmp / "back", fmt="dcp")
     assert_same_tensors(load_dcp_tensors(tmp / "back", state), state)

@@ -14,8 +14,14 @@ import torch.distributed.checkpoint as dcp
 from dcp_samples import save_dcp, training_checkpoint
 
 from yafsdp_cli.checkpoint import convert_checkpoint, open_flat, restore_checkpoint
-from yafsdp_cli.checkpoint.restore import state_dict_items
-from yafsdp_cli.checkpoint.train_restore import extras_of, nest, read_tensor, training_items
+from yafsdp_cli.checkpoint.restore.read_back import (
+    extras_of,
+    nest,
+    read_tensor,
+    state_dict_items,
+    training_items,
+)
+from yafsdp_cli.options import LayoutOptions
 
 
 def torch_writes(ckpt, out: Path) -> None:
@@ -50,7 +56,9 @@ def assert_same_folder(ours: Path, theirs: Path) -> None:
 @pytest.mark.parametrize("nested", [True, False])
 def test_a_training_checkpoint_is_what_dcp_save_writes(tmp_path, nested):
     training_checkpoint(tmp_path / "src", "gpt", nested=nested)
-    convert_checkpoint(tmp_path / "src", tmp_path / "flat", world_size=3, sharded=True)
+    convert_checkpoint(
+        tmp_path / "src", tmp_path / "flat", LayoutOptions(world_size=3), sharded=True
+    )
     restore_checkpoint(tmp_path / "flat", tmp_path / "ours", fmt="dcp")
     torch_writes(open_flat(tmp_path / "flat"), tmp_path / "theirs")
     assert_same_folder(tmp_path / "ours", tmp_path / "theirs")
@@ -66,14 +74,16 @@ def test_weights_of_every_dtype(tmp_path):
         "e": torch.tensor(1.5, dtype=torch.float64),
     }
     save_dcp(tmp_path / "src", state)
-    convert_checkpoint(tmp_path / "src", tmp_path / "flat.safetensors", world_size=2)
+    convert_checkpoint(tmp_path / "src", tmp_path / "flat.safetensors", LayoutOptions(world_size=2))
     restore_checkpoint(tmp_path / "flat.safetensors", tmp_path / "ours", fmt="dcp")
     torch_writes(open_flat(tmp_path / "flat.safetensors"), tmp_path / "theirs")
     assert_same_folder(tmp_path / "ours", tmp_path / "theirs")
 
 
 def test_tied_weights_are_each_written(tmp_path):
-    convert_checkpoint("sample_models/gpt.safetensors", tmp_path / "flat.safetensors", world_size=2)
+    convert_checkpoint(
+        "sample_models/gpt.safetensors", tmp_path / "flat.safetensors", LayoutOptions(world_size=2)
+    )
     restore_checkpoint(tmp_path / "flat.safetensors", tmp_path / "ours", fmt="dcp")
     torch_writes(open_flat(tmp_path / "flat.safetensors"), tmp_path / "theirs")
     assert_same_folder(tmp_path / "ours", tmp_path / "theirs")

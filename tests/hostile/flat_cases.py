@@ -11,6 +11,8 @@ from pathlib import Path
 
 from conftest import SAMPLES
 
+from yafsdp_cli.options import LayoutOptions
+
 from .common import Case
 
 FLAT_COMMANDS = ("restore", "reshard")
@@ -22,7 +24,9 @@ def make_flat(folder: Path, *, sharded: bool = False, sample: str = "cnn", name=
     from yafsdp_cli.checkpoint import convert_checkpoint
 
     path = folder / (name or ("set" if sharded else "flat.safetensors"))
-    convert_checkpoint(SAMPLES / f"{sample}.safetensors", path, world_size=2, sharded=sharded)
+    convert_checkpoint(
+        SAMPLES / f"{sample}.safetensors", path, LayoutOptions(world_size=2), sharded=sharded
+    )
     return path
 
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.checkpoint import convert_checkpoint, writer
 from yafsdp_cli.cli import app
+from yafsdp_cli.options import LayoutOptions
 
 from .common import snapshot
 
@@ -35,7 +36,7 @@ def commands(src: Path, flat: Path, out: Path) -> dict[str, list[str]]:
 def inputs(tmp_path) -> tuple[Path, Path]:
     src = SAMPLES / "gpt.safetensors"
     flat = tmp_path / "flat.safetensors"
-    convert_checkpoint(src, flat, world_size=2)
+    convert_checkpoint(src, flat, LayoutOptions(world_size=2))
     return src, flat
 
 

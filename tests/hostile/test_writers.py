@@ -24,6 +24,7 @@ import yafsdp_cli
 from yafsdp_cli.checkpoint import convert_checkpoint, writer
 from yafsdp_cli.cli import app
 from yafsdp_cli.cli.command_kit import on_sigterm
+from yafsdp_cli.options import LayoutOptions
 
 from .common import snapshot
 
@@ -51,7 +52,7 @@ def out_name(command: str) -> str:
 def flat(tmp_path) -> Path:
     path = tmp_path / "in" / "flat.safetensors"
     path.parent.mkdir()
-    convert_checkpoint(SRC, path, world_size=2)
+    convert_checkpoint(SRC, path, LayoutOptions(world_size=2))
     return path
 
 
@@ -422,7 +423,7 @@ def tiny_disk(tmp_path):
 
 def test_a_full_disk_under_a_pt_output_is_one_line_naming_it(tmp_path, tiny_disk):
     flat = tmp_path / "gpt.safetensors"  # 480 KiB: more than the disk holds
-    convert_checkpoint(SAMPLES / "gpt.safetensors", flat, world_size=2)
+    convert_checkpoint(SAMPLES / "gpt.safetensors", flat, LayoutOptions(world_size=2))
     out = tiny_disk / "o.pt"
     result = runner.invoke(app, ["restore", str(flat), "-o", str(out)])
     assert result.exit_code == 2, result.output

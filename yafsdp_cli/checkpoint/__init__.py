@@ -7,35 +7,45 @@ per stored tensor (see ``format.py``). With ``sharded=True`` it is a folder of
 ``rank-RRRRR-of-NNNNN.safetensors`` files, rank ``r`` holding slice ``r`` of every
 buffer and a copy of every kept tensor, plus ``yafsdp.index.json``.
 
-``restore_checkpoint(..., fmt="dcp")`` writes a torch.distributed.checkpoint folder
-instead (``dcp_restore.py`` over ``dcp_write.py``, without importing torch), for FSDP2
-and torchtitan.
+A training checkpoint (DCP ``{"model", "optimizer", ...}``, a ``torch.save`` dict
+of the same, or a Hugging Face Trainer folder) keeps its optimizer state: each state
+tensor a flat buffer ``BUFFER@FIELD`` with its parameters' layout, the rest JSON in
+the metadata (format version 2); reshard moves it with the weights, and restore writes
+the source's own layout back.
 
-A training checkpoint (DCP ``{"model", "optimizer", ...}``, or a ``torch.save`` dict
-of the same) keeps its optimizer state: each state tensor a flat buffer
-``BUFFER@FIELD`` with its parameters' layout, the rest JSON in the metadata
-(``optim_state.py``, format version 2); reshard moves it with the weights, and
-restore writes the source's own layout back (``train_restore.py``).
+Modules by role:
 
-Modules: ``convert``, ``restore`` and ``reshard`` (the three commands' library
-calls), ``reader`` (opening and checking), ``format`` (names, metadata, checksums,
-data order), ``flat_writer`` (buffers routed to rank files; ``parallel_ranks``
-writes the rank files side by side) over ``writer`` (one safetensors file, staged
-outputs), ``file_ranges`` (moving bytes by file ranges), ``crc``
-and ``integrity`` (checksums, zero padding), ``dcp_restore`` and ``dcp_write``,
-``optim_state`` and ``train_restore`` (optimizer state), ``flat_training``
-(AdamW on a ``FlatModel``'s buffers from and to a checkpoint), ``sharded_training``
-(the same on each rank of a ``ShardedFlat`` run: its slice, its rank file), and
-``results``. It may
-import ``sources``, ``engine``, ``fileio`` and ``errors``; only ``cli`` and
-``report`` import it.
+- the commands' library calls: ``convert`` (a model source to a flat checkpoint),
+  ``reshard`` (re-split for another world size), and the ``restore`` package (back to
+  a state dict): ``restore.read_back`` reads a flat checkpoint back into named
+  tensors and optimizer state once for every output, then one module per output
+  format writes them: ``restore.to_file`` (``.safetensors`` or ``torch.save``),
+  ``restore.to_dcp`` (a torch.distributed.checkpoint folder, for FSDP2 and
+  torchtitan) and ``restore.to_trainer`` (a Hugging Face Trainer folder);
+- the format and its checks: ``format`` (names, metadata, checksums, data order),
+  ``reader`` (opening and checking), ``integrity`` (checksums and zero padding as
+  the bytes give them), ``crc``, and ``results`` (what each command did);
+- writing: ``writer`` (one streamed safetensors file; all-or-nothing, staged
+  outputs), ``flat_writer`` (buffers routed to rank files; ``parallel_ranks`` writes
+  the rank files side by side), ``dcp_write`` (a DCP folder without torch), and
+  ``file_ranges`` (moving bytes by file ranges, as the kernel copies);
+- optimizer state: ``optim_state`` (state buffers and the ``yafsdp.optimizer``
+  record) and ``master_weights`` (float32 masters as state);
+- training from and to a checkpoint: ``flat_training`` (AdamW on a ``FlatModel``'s
+  buffers) and ``sharded_training`` (the same on each rank of a ``ShardedFlat`` run:
+  its slice, its rank file).
+
+It may import ``options``, ``sources``, ``engine``, ``fileio`` and ``errors``; only
+``cli`` and ``report`` import it.
 
 Everything streams: no function here holds a model, and none imports torch except
 ``restore`` to ``.pt`` or a Trainer folder (and a source that needs it, such as a
 ``.pt`` state dict).
 
 >>> from yafsdp_cli.checkpoint import convert_checkpoint, restore_checkpoint
->>> convert_checkpoint("model.safetensors", "flat.safetensors", world_size=8)  # doctest: +SKIP
+>>> from yafsdp_cli.options import LayoutOptions
+>>> layout = LayoutOptions(world_size=8)
+>>> convert_checkpoint("model.safetensors", "flat.safetensors", layout)  # doctest: +SKIP
 >>> restore_checkpoint("flat.safetensors", "model.restored.safetensors")  # doctest: +SKIP
 """
 

@@ -12,11 +12,15 @@ them after the copy against the CRCs the copier read back (``check_copied``).
 A training checkpoint's optimizer state (``sources.train_state``) is checked whole
 against the layout first, then written as state buffers (``optim_state.py``) beside
 the weights; ``weights_only`` leaves it out (a version 1 checkpoint, as before).
+
+What the layout is asked is the options model's ``LayoutOptions`` whole (filters,
+excludes, units, world size, alignment), as ``plan`` and ``verify`` take it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
+from ..options import LayoutOptions
 from ..sources import LoadedModel, load_source
 from .file_ranges import Copier, FileRange
 from .flat_writer import stored_kept, write_flat, zeros
@@ -34,63 +39,61 @@ from .reader import open_flat
 from .results import ConvertResult, Progress, RoundTrip
 from .writer import check_flat_name, check_output, page_phase, staged_output
 
-# (loaded, selection) -> (passed, or None when not run; what happened)
-ModelCheck = Callable[[LoadedModel, dict], tuple[bool | None, str]]
+# (loaded, selection) -> (passed, or None when not run; what happened); the selection
+# is the convert's layout options for one process (world size 1)
+ModelCheck = Callable[[LoadedModel, LayoutOptions], tuple[bool | None, str]]
 
 
 def convert_checkpoint(
     source: str | Path | None,
     out: str | Path,
+    layout: LayoutOptions | None = None,
     *,
     model: str | None = None,
     trust_pickle: bool = False,
-    filters: Sequence[str] = (),
-    excludes: Sequence[str] = (),
-    units: Sequence[str] | None = None,
-    world_size: int = 1,
-    align: str = "yafsdp",
     sharded: bool = False,
     force: bool = False,
     verify: bool = False,
     model_check: ModelCheck | None = None,
     progress: Progress | None = None,
     weights_only: bool = False,
+    writer_threads: int | None = None,
 ) -> ConvertResult:
-    """Load ``source`` (and/or ``--model``), plan its layout and write the checkpoint.
+    """Load ``source`` (and/or ``--model``), plan its layout as ``layout`` asks
+    (``LayoutOptions()``: every floating parameter, one rank) and write the checkpoint.
+    ``writer_threads``: how many threads write a sharded set's rank files side by side
+    (``flat_writer.write_flat``; None: the machine's choice, 1: one file at a time).
 
     >>> from yafsdp_cli.checkpoint import convert_checkpoint
+    >>> from yafsdp_cli.options import LayoutOptions
     >>> r = convert_checkpoint("sample_models/mlp.safetensors", "/tmp/mlp.flat.safetensors",
-    ...                        world_size=2, force=True)  # doctest: +SKIP
+    ...                        LayoutOptions(world_size=2), force=True)  # doctest: +SKIP
     >>> r.checkpoint.buffers[0].name  # doctest: +SKIP
     '__flat__.float32'
     """
+    options = LayoutOptions() if layout is None else layout
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
     refuse_flat_source(loaded)
-    layout = plan(
+    planned = plan(
         loaded.spec,
-        filters=list(filters or ()),
-        excludes=list(excludes or ()),
-        units=list(units) if units else None,
-        world_size=world_size,
-        align=align,
+        filters=list(options.filters),
+        excludes=list(options.excludes),
+        units=list(options.units) if options.units else None,
+        world_size=options.world_size,
+        align=options.align,
     )
-    selection = {
-        "filters": tuple(filters or ()),
-        "excludes": tuple(excludes or ()),
-        "units": tuple(units) if units else None,
-        "align": align,
-    }
     return write_converted(
         loaded,
-        layout,
+        planned,
         Path(out),
         sharded=sharded,
         force=force,
         verify=verify,
         model_check=model_check,
         progress=progress,
-        selection=selection,
+        selection=options,
         weights_only=weights_only,
+        writer_threads=writer_threads,
     )
 
 
@@ -112,15 +115,17 @@ def write_converted(
     verify: bool = False,
     model_check: ModelCheck | None = None,
     progress: Progress | None = None,
-    selection: dict | None = None,
+    selection: LayoutOptions | None = None,
     weights_only: bool = False,
+    writer_threads: int | None = None,
 ) -> ConvertResult:
     """Stream ``loaded``'s weights into ``layout``'s checkpoint at ``out``.
 
     With ``verify`` the written file is read back and compared with the source;
-    ``model_check(loaded, selection)`` (``yafsdp_cli.verify.model_check`` from the
-    CLI) then runs the forward/backward check on ``selection`` (filters, excludes,
-    units, align as given to ``plan``). A failed check leaves nothing written."""
+    ``model_check`` (``yafsdp_cli.verify.model_check`` from the CLI) then runs the
+    forward/backward check in one process on ``selection``, the layout options
+    ``layout`` was planned from (filters, excludes, units, align). A failed check
+    leaves nothing written."""
     check_flat_name(out, sharded=sharded)
     loaded = with_weights(loaded)
     check_output(out, inputs=input_files(loaded), force=force, folder=sharded)
@@ -144,6 +149,7 @@ def write_converted(
             optim=optim,
             page_phase=page_phase(input_files(loaded)),
             ranged=reads.ranged(layout, optim),
+            writer_threads=writer_threads,
         )
         reads.check_copied(copier)
         bytes_read = reads.total
@@ -180,16 +186,14 @@ def with_weights(loaded: LoadedModel) -> LoadedModel:
     """A source with a reader: ``--model`` alone is built for real (seeded)."""
     if loaded.reader is not None:
         return loaded
-    from dataclasses import replace
-
     from ..sources.torch_file import TensorDictReader, module_tensors
 
     module = loaded.build_module()
-    spec = replace(
+    spec = dataclasses.replace(
         loaded.spec,
         notes=(*loaded.spec.notes, "no weights given: the factory's own initialization (seed 0)"),
     )
-    return replace(loaded, spec=spec, reader=TensorDictReader(module_tensors(module)))
+    return dataclasses.replace(loaded, spec=spec, reader=TensorDictReader(module_tensors(module)))
 
 
 def input_files(loaded: LoadedModel) -> list[Path]:
@@ -315,7 +319,7 @@ def round_trip(
     layout: Layout,
     written: Path,
     progress: Progress | None,
-    selection: dict | None = None,
+    selection: LayoutOptions | None = None,
     model_check: ModelCheck | None = None,
 ) -> RoundTrip:
     """Open what was written like ``restore`` does (structure, checksums, padding),
@@ -344,8 +348,9 @@ def round_trip(
         model_ok, model_text = None, "not run: no model check given"
     elif selection is None:
         model_ok, model_text = None, "not run: no selection to convert with"
-    else:
-        model_ok, model_text = model_check(loaded, selection)
+    else:  # the check runs in one process: the selection at world size 1
+        one = dataclasses.replace(selection, world_size=1)
+        model_ok, model_text = model_check(loaded, one)
     return RoundTrip(
         ok=not mismatches and model_ok is not False,
         tensors=count,

@@ -29,7 +29,7 @@ from .flat_writer import stored_kept, write_flat
 from .master_weights import MASTER_FIELDS
 from .optim_state import SEP, OptimState, decode, encode, path_of
 from .reader import FlatCheckpoint, open_flat
-from .train_restore import nest
+from .restore.read_back import nest
 from .writer import check_flat_name, check_output, staged_output
 
 FIELDS = ("exp_avg", "exp_avg_sq")

@@ -21,6 +21,7 @@ only its slices) and rank 0 the index from every rank's checksums (``write_index
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ def write_flat(
     optim: OptimState | None = None,
     page_phase: int | None = None,
     ranged: bool = False,
+    writer_threads: int | None = None,
 ) -> CheckpointInfo:
     """Write ``layout``'s checkpoint to ``target`` (a file, or an existing empty
     folder when ``sharded``); paths in the result use ``final`` (the name it will
@@ -137,7 +139,9 @@ def write_flat(
     With ``optim``, ``buffer_bytes`` is also asked for each state buffer.
     ``page_phase``: the source's (``writer.page_phase``), for page-aligned copies.
     ``ranged``: every piece is a file range or zeros, so rank files may be written
-    side by side (``parallel_ranks``)."""
+    side by side (``parallel_ranks``), by ``writer_threads`` threads (None: as many as
+    ``parallel_ranks.writers_for`` gives; 1: one file after another, what
+    ``python -m benchmarks.run two_writers`` sets the two against)."""
     final = final or target
     shards = layout.world_size if sharded else 1
     slots = file_slots(layout, shards, optim)
@@ -152,7 +156,12 @@ def write_flat(
             writers[-1].suspend()
         feed = _Feed(copier or Copier(), _Switch(), None)
         buffers = {b.name: b for b in all_buffers(layout, optim)}
-        fill = _fill_side_by_side if ranged and writers_for(len(writers)) > 1 else _fill
+        threads = writers_for(len(writers)) if writer_threads is None else writer_threads
+        threads = min(threads, len(writers))
+        if ranged and threads > 1:
+            fill = functools.partial(_fill_side_by_side, threads=threads)
+        else:
+            fill = _fill
         fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, progress, feed)
         for w in writers:
             w.finish()
@@ -177,7 +186,7 @@ def _fill(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes, pro
 
 
 def _fill_side_by_side(writers, layout, buffers, slots, shards, buffer_bytes, kept_bytes,
-                       progress, feed):  # fmt: skip
+                       progress, feed, *, threads):  # fmt: skip
     """``_fill``'s routing, with each buffer's pieces listed first and the rank files
     then written by ``parallel_ranks.write_side_by_side``."""
     kept = {t.name: t for t in stored_kept(layout)}
@@ -194,7 +203,7 @@ def _fill_side_by_side(writers, layout, buffers, slots, shards, buffer_bytes, ke
             for c in contents:
                 c.append((slot.name, pieces))
     tick = _Counter(progress, sum(w.nbytes - w.data_start for w in writers))
-    write_side_by_side(writers, contents, feed.copier, tick, writers_for(len(writers)))
+    write_side_by_side(writers, contents, feed.copier, tick, threads)
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 The kernel copies into one file at one core's speed, and the copies into
 different files do not wait for each other (``python -m benchmarks.run convert``
-and ``convert_optim`` time the sharded commands; docs/checkpoints.md, "Copying at
-the speed of cp"). So when the source hands out only
+and ``convert_optim`` time the sharded commands, and ``two_writers`` sets two writers
+against one in the same run; docs/checkpoints.md, "Copying at the speed of cp"). So
+when the source hands out only
 file ranges and zeros (a safetensors or DCP source, a flat checkpoint),
 ``flat_writer`` lists each buffer's pieces once (a few per tensor) and cuts them
 at the shard boundaries, and ``write_side_by_side``'s ``WRITERS`` threads each

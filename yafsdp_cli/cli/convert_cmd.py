@@ -94,19 +94,23 @@ def convert_command(
     """Write a flat-buffer checkpoint (one file, or one file per rank with --sharded)."""
     with errors_to_exit():
         from ..checkpoint import convert_checkpoint
+        from ..options import LayoutOptions  # here: restore and reshard need no options
         from ..report import checkpoint_view as view
 
+        layout = LayoutOptions(
+            filters=filters or (),
+            excludes=excludes or (),
+            units=units or None,
+            world_size=world_size,
+            align=align,
+        )
         with ProgressBar(not json_out) as bar:
             result = convert_checkpoint(
                 source,
                 output,
+                layout,
                 model=model,
                 trust_pickle=trust_pickle,
-                filters=filters or (),
-                excludes=excludes or (),
-                units=units or None,
-                world_size=world_size,
-                align=align,
                 sharded=sharded,
                 force=force,
                 verify=verify,
@@ -194,8 +198,9 @@ def reshard_command(
             print_lines(view.reshard_view(result))
 
 
-def _model_check(loaded, selection: dict):
-    """verify's forward/backward check, imported only when --verify asks for it."""
+def _model_check(loaded, layout):
+    """verify's forward/backward check on the convert's ``LayoutOptions`` (one
+    process), imported only when --verify asks for it."""
     from ..verify import model_check
 
-    return model_check(loaded, selection)
+    return model_check(loaded, {"layout": layout})

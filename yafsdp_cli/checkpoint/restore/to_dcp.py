@@ -7,7 +7,11 @@ file per tensor, so ``dcp.load(model.state_dict(), checkpoint_id=OUT)`` (or FSDP
 It is written without torch (``dcp_write.py``), each tensor's bytes copied by range
 from the flat checkpoint, so no tensor is ever in memory. Every name is written,
 tied names included (each its own copy, as a plain ``model.state_dict()`` saves
-them), so every key a model asks for is there.
+them), so every key a model asks for is there. A checkpoint with optimizer state from
+a DCP source is written in that source's nesting instead (``write_training_dcp``):
+the same top-level entries and namespaces (``model.…``, ``optimizer.state.…``,
+``optimizer.param_groups.…``, ``train_state.…``), which
+``dcp.load({"model": sd, "optimizer": osd}, ...)`` reads as it read the input.
 
 Same safety as the other outputs: the flat input is verified (checksums, zero
 padding) in the same pass as the copy, and the folder is staged beside the target
@@ -20,12 +24,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError
-from .dcp_write import write_dcp
-from .file_ranges import Copier
-from .reader import FlatCheckpoint
-from .results import Progress, RestoreResult, restored
-from .writer import existing_folder_output, staged_output
+from ...errors import CheckpointError
+from ..dcp_write import write_dcp
+from ..file_ranges import Copier
+from ..reader import FlatCheckpoint
+from ..results import Progress, RestoreResult, restored
+from ..writer import existing_folder_output, staged_output
+from .read_back import extras_of, nest
 
 METADATA_NAME = ".metadata"
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
@@ -39,7 +44,7 @@ def restore_dcp(
     force: bool = False,
     progress: Progress | None = None,
 ) -> RestoreResult:
-    """Write ``items`` (``restore.state_dict_items(ckpt)``) as a DCP folder ``out``;
+    """Write ``items`` (``read_back.state_dict_items(ckpt)``) as a DCP folder ``out``;
     every checksum and the zero padding of ``ckpt`` are verified before it appears."""
     check_dcp_name(out)
     check_dcp_output(out, inputs=list(ckpt.paths), force=force)
@@ -47,6 +52,19 @@ def restore_dcp(
     nbytes, checked = write_checked(ckpt, out, state, progress, force=force)
     # nothing is dropped: tied names are each written
     return restored(ckpt, out, nbytes=nbytes, checked=checked, fmt="dcp", tensors=len(state))
+
+
+def write_training_dcp(
+    ckpt: FlatCheckpoint, out: Path, tensors: dict, *, force: bool, progress: Progress | None
+) -> tuple[int, int]:
+    """The training checkpoint ``ckpt`` as a DCP folder in its source's nesting:
+    ``tensors`` (``read_back.training_items``) and the record's other values, each
+    under its key path. Returns (bytes written, tensors checked)."""
+    check_dcp_name(out)
+    check_dcp_output(out, inputs=list(ckpt.paths), force=force)
+    values = dict(tensors)
+    values.update(extras_of(ckpt.optim, raw=True))
+    return write_checked(ckpt, out, nest(values), progress, force=force)
 
 
 def write_checked(

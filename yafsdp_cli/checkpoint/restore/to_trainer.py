@@ -16,14 +16,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ..errors import CheckpointError
-from .file_ranges import Copier
-from .format import YAFSDP_KEYS
-from .optim_state import file_bytes
-from .reader import FlatCheckpoint, StateDictItem
-from .results import Progress, RestoreResult, restored
-from .train_restore import extras_of, nest, training_items
-from .writer import existing_folder_output, staged_output, torch_save, write_safetensors
+from ...errors import CheckpointError
+from ..file_ranges import Copier
+from ..format import YAFSDP_KEYS
+from ..optim_state import file_bytes
+from ..reader import FlatCheckpoint, StateDictItem
+from ..results import Progress, RestoreResult, restored
+from ..writer import existing_folder_output, staged_output, torch_save, write_safetensors
+from .read_back import extras_of, nest, read_tensor, training_items
 
 OPTIMIZER_FILE = "optimizer.pt"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -96,9 +96,6 @@ def _write_weights(ckpt: FlatCheckpoint, path: Path, items, progress, copier: Co
 
 def _write_optimizer(ckpt: FlatCheckpoint, items: list, path: Path) -> None:
     """``optimizer.pt``: the state dict rebuilt from the state buffers and the record."""
-
-    from .train_restore import read_tensor
-
     values = {
         path: read_tensor(it)
         for path, it in training_items(ckpt, items).items()
