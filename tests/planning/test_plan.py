@@ -235,13 +235,15 @@ def test_plan_on_several_processes_equals_the_plan_in_one():
 
 
 def test_a_failing_run_in_a_worker_is_the_plans_error():
+    from yafsdp_cli.planning.cell import Cell
     from yafsdp_cli.planning.measure import measure_peaks
     from yafsdp_cli.planning.pool import Origin, run_steps
 
     opts = PlanOptions(gpu_memory=2**30, reserve=0, seq_len=SEQ)
     origin = Origin(None, "sample_models.models:mlp", False)
     loaded = load_source(None, model=origin.model)
-    keys = [(1, 1, "none"), (1, 1, "non-reentrant"), (1, 2, "non-reentrant")]  # no units
+    # the mlp has no units to checkpoint
+    keys = [Cell.at(1, 1, "none"), Cell.at(1, 1, "non-reentrant"), Cell.at(1, 2, "non-reentrant")]
     with pytest.raises(YafsdpError, match="no repeated blocks to checkpoint"):
         run_steps(
             keys,

@@ -22,8 +22,10 @@ from ..engine.plan import plan
 from ..inspection.build import retype_params
 from ..memory import estimate_memory
 from ..memory.headroom import fits, keeps_margin
+from ..mesh import Mesh
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
+from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
@@ -63,11 +65,10 @@ def plan_model(
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
     fit = ReservedFit(opts, runner.figures, runner.model_total, runner.made)
     lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total, fit)
+    cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
     rows = [
-        _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), fit)
-        for ws in sizes
-        for ck in opts.checkpointing
-        for mb in opts.micro_batches
+        _row(c, seq_len, memory(c.world_size), _line_for(lines, c.checkpointing, c.world_size), fit)
+        for c in cells
     ]
     setup = timing_setup(opts)
     if setup is not None:
@@ -175,17 +176,17 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
     return lines, tuple(checks)
 
 
-def _runs(opts: PlanOptions, regimes, ref2, points) -> list:
-    """The (world size, micro-batch, checkpointing) of every run ``_measure`` makes."""
-    keys = []
+def _runs(opts: PlanOptions, regimes, ref2, points) -> list[Cell]:
+    """The cell of every run ``_measure`` makes."""
+    cells = []
     for ck in opts.checkpointing:
         for ws in regimes:
-            keys += [(ws, mb, ck) for mb in points[:2]]
+            cells += [Cell.at(ws, point, ck) for point in points[:2]]
             if ws > 1 and ref2 is not None:
-                keys.append((ref2, points[0], ck))
+                cells.append(Cell.at(ref2, points[0], ck))
         if points[2:] and regimes:
-            keys.append((regimes[0], points[-1], ck))
-    return keys
+            cells.append(Cell.at(regimes[0], points[-1], ck))
+    return cells
 
 
 def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
@@ -196,22 +197,22 @@ def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
     return others[0] if others else lines[(checkpointing, 1)]
 
 
-def _row(ws, mb, ck, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
-    phase, act, temp = line.at(mb, ws)
+def _row(cell: Cell, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
+    phase, act, temp = line.at(cell.micro_batch, cell.world_size)
     breakdown = PlanBreakdown(
         m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
     )
     peak = m.total + act + temp
     row = PlanRow(
-        world_size=ws,
-        micro_batch=mb,
+        world_size=cell.world_size,
+        micro_batch=cell.micro_batch,
         seq_len=seq_len,
-        checkpointing=ck,
+        checkpointing=cell.checkpointing,
         peak_bytes=peak,
         breakdown=breakdown,
         peak_phase=phase,
-        measured=ws in line.world_sizes,
-        **fit.fields(ws, mb, ck, peak),
+        measured=cell.world_size in line.world_sizes,
+        **fit.fields(cell, peak),
     )
     return with_own_run(row, fit)
 

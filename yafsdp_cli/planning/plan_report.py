@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..memory.outside_allocator import OutsidePart
+from .cell import Cell
 from .plan_options import PlanOptions
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ class PlanRow:
     reserved_replayed: bool  # True: from this cell's own fake step; False: carried
     fits_with: AllocAdvice | None  # when it fits only under another allocator setting
     time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
+
+    @property
+    def cell(self) -> Cell:
+        return Cell.at(self.world_size, self.micro_batch, self.checkpointing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,12 +148,12 @@ def plan_heatmap(plan: Mapping) -> str:
     limit = int(plan["gpu_memory_bytes"])
     cells = list(plan["cells"])
     rows = sorted({int(c["world_size"]) for c in cells})
-    cols = list(dict.fromkeys((int(c["micro_batch"]), str(c["checkpointing"])) for c in cells))
-    at = {(int(c["world_size"]), int(c["micro_batch"]), str(c["checkpointing"])): c for c in cells}
+    cols = list(dict.fromkeys(_column(c) for c in cells))
+    at = {(int(c["world_size"]), _column(c)): c for c in cells}
     head = "".join(f"<th>micro-batch {mb}<br>{esc(ck)}</th>" for mb, ck in cols)
     body = []
     for ws in rows:
-        tds = "".join(_heat_cell(at.get((ws, mb, ck)), limit) for mb, ck in cols)
+        tds = "".join(_heat_cell(at.get((ws, col)), limit) for col in cols)
         body.append(f'<tr><th class="r">{ws} GPU{"" if ws == 1 else "s"}</th>{tds}</tr>')
     verdicts = any("verdict" in c for c in cells)
     legend = "".join(
@@ -181,6 +181,11 @@ LEGEND_SHARE = (
     ("tight", "80% to 100%"),
     ("over", "above the GPU's memory"),
 )
+
+
+def _column(cell: Mapping) -> tuple[int, str]:
+    """A cell's column: its micro-batch and checkpointing."""
+    return int(cell["micro_batch"]), str(cell["checkpointing"])
 
 
 def _heat_cell(cell, limit: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..memory.headroom import keeps_margin
 from ..planning import SCHEMA, PlanReport, PlanRow
+from ..planning.cell import Cell
 from . import scheme_view
 from .formatting import (
     AnswerText,
@@ -96,11 +97,14 @@ def _figures(r: PlanRow) -> str:
 
 def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[str]]]:
     """One checkpointing choice: rows = world sizes, columns = micro-batches."""
-    at = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
+    at = {r.cell: r for r in report.rows}
     # "GPUs", the world size: a narrow first column leaves 80 columns room for four cells
     headers = ["GPUs", *(f"micro-batch {mb}" for mb in report.micro_batches)]
     body = [
-        [str(ws), *(_cell(at.get((ws, mb, checkpointing))) for mb in report.micro_batches)]
+        [
+            str(ws),
+            *(_cell(at.get(Cell.at(ws, mb, checkpointing))) for mb in report.micro_batches),
+        ]
         for ws in report.world_sizes
     ]
     return headers, body
