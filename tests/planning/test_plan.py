@@ -269,15 +269,24 @@ def test_the_default_grid_runs_on_past_cells_inside_the_margin():
     can (the 70B plan's micro-batch 8 fits at 128 GPUs only inside the margin)."""
     from types import SimpleNamespace as Ns
 
+    from yafsdp_cli.memory.headroom import fit
     from yafsdp_cli.planning.fit_grid import _up_to_enough
 
     gib = 2**30
-    opts = Ns(gpu_memory=80 * gib, memory=Ns(margin_bytes=2 * gib))
+    gpu = 80 * gib
+    opts = Ns(gpu_memory=gpu, memory=Ns(margin_bytes=2 * gib))
     needed = {(1, 1): 90, (1, 8): 95, (2, 1): 40, (2, 8): 79, (4, 1): 30, (4, 8): 70, (8, 1): 20}
-    rows = [
-        Ns(world_size=ws, micro_batch=mb, needed_bytes=n * gib, fits=n * gib <= opts.gpu_memory)
-        for (ws, mb), n in needed.items()
-    ]
-    assert sorted({r.world_size for r in _up_to_enough(rows, opts)}) == [1, 2, 4]
+
+    def rows():  # each row's Fit, as the plan gives it, under the options' margin
+        return [
+            Ns(
+                world_size=ws,
+                micro_batch=mb,
+                fit=fit(n * gib, 0, 80 * gib, opts.memory.margin_bytes),
+            )
+            for (ws, mb), n in needed.items()
+        ]
+
+    assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2, 4]
     opts.memory.margin_bytes = 0  # then 2 GPUs, where everything fits, are enough
-    assert sorted({r.world_size for r in _up_to_enough(rows, opts)}) == [1, 2]
+    assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2]

@@ -251,7 +251,7 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
     objective, and what the cells were timed on."""
     objective = opts.objective or DEFAULT_OBJECTIVE
     # the best row keeps the margin free, as the untimed plan's does
-    candidates = {id(r) for r in keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)}
+    candidates = {id(r) for r in keeping_margin(rows)}
     kept = [r if id(r) in candidates else dataclasses.replace(r, fits=False) for r in rows]
     chosen = best_timed(kept, objective, opts.tokens)
     best, gpu_h, wall_h = chosen if chosen else (None, None, None)

@@ -20,8 +20,7 @@ from functools import cache
 
 from ..engine.plan import plan
 from ..inspection.build import retype_params
-from ..memory import estimate_memory
-from ..memory.headroom import fits, keeps_margin
+from ..memory import estimate_memory, headroom
 from ..mesh import Mesh
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
@@ -31,7 +30,7 @@ from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
-from .reserved_fit import ReservedFit, keeping_margin, settle, with_own_run
+from .reserved_fit import ReservedFit, advised, keeping_margin, settle, with_own_run
 from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -78,7 +77,7 @@ def plan_model(
     rows, reserved_checks = settle(rows, fit, runner.prefetch, chooser)
     if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
         best, advice = _best_and_advice(rows, opts)
-        timed = chooser(keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes))
+        timed = chooser(keeping_margin(rows))
         chosen = [r.world_size for r in (best, timed, advice and advice.row) if r is not None]
         rows = _up_to_enough(rows, opts, at_least=max(chosen, default=1))
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
@@ -152,7 +151,8 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
     ``total(ws)``: the persistent bytes per rank, which must fit before any step."""
 
     def persistent_fits(ws: int) -> bool:
-        return fits(total(ws), fit.outside(ws).total, opts.gpu_memory)
+        margin = opts.memory.margin_bytes
+        return headroom.fit(total(ws), fit.outside(ws).total, opts.gpu_memory, margin).fits
 
     above_one = [ws for ws in sizes if ws > 1]
     fitting = [ws for ws in above_one if persistent_fits(ws)]
@@ -249,7 +249,7 @@ def _up_to_enough(rows: list[PlanRow], opts: PlanOptions, at_least: int = 1) -> 
     ``at_least``."""
     for ws in sorted({r.world_size for r in rows if r.world_size >= at_least}):
         at = [r for r in rows if r.world_size == ws]
-        if len(keeping_margin(at, opts.gpu_memory, opts.memory.margin_bytes)) == len(at):
+        if len(keeping_margin(at)) == len(at):
             return [r for r in rows if r.world_size <= ws]
     return rows
 
@@ -292,19 +292,11 @@ def _preference(r: PlanRow) -> tuple:
 def _best_and_advice(rows, opts: PlanOptions) -> tuple[PlanRow | None, PlanAdvice | None]:
     """The best row that fits keeping the margin free; and, when a row that fits only
     under another allocator setting (keeping the margin) beats it, that advice."""
-    margin = opts.memory.margin_bytes
-    best = best_row(keeping_margin(rows, opts.gpu_memory, margin))
-    advised = best_row(
-        [
-            r
-            for r in rows
-            if r.fits_with is not None
-            and keeps_margin(r.fits_with.needed_bytes, opts.gpu_memory, margin)
-        ]
-    )
-    if advised is None or (best is not None and _preference(best) <= _preference(advised)):
+    best = best_row(keeping_margin(rows))
+    other = best_row(advised(rows))
+    if other is None or (best is not None and _preference(best) <= _preference(other)):
         return best, None
-    return best, PlanAdvice(advised.fits_with.alloc_conf, advised.fits_with.export, advised)
+    return best, PlanAdvice(other.fits_with.alloc_conf, other.fits_with.export, other)
 
 
 def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> PlanReport:

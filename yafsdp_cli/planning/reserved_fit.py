@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..memory import headroom
 from ..memory.caching_allocator import reserved_of
-from ..memory.headroom import headroom, keeps_margin
 from ..memory.outside_allocator import OutsideAllocator, OutsidePart, outside_memory
 from ..options.alloc_conf import ALLOC_CONF_VAR, AllocatorConf, allocator_setting
 from .cell import Cell
@@ -92,6 +92,7 @@ class ReservedFit:
         self.opts, self.figures, self.model_total, self.runs = opts, figures, model_total, runs
         self.confs = plan_confs(opts)
         self.gpu = opts.gpu_memory
+        self.margin = opts.memory.margin_bytes
         self._outside: dict[int, OutsideAllocator] = {}
 
     @property
@@ -109,22 +110,23 @@ class ReservedFit:
         outside = self.outside(cell.world_size)
         frags, replayed_here = self._fragmentation(cell, peak)
         reserved = peak + (frags[0] if frags else 0)
-        needed = reserved + outside.total
-        fits = headroom(reserved, outside.total, self.gpu) >= 0
+        here = headroom.fit(reserved, outside.total, self.gpu, self.margin)
         advice = None
-        if not fits and len(frags) > 1:
+        if not here.fits and len(frags) > 1:
             other = peak + frags[1]
-            if headroom(other, outside.total, self.gpu) >= 0:
+            there = headroom.fit(other, outside.total, self.gpu, self.margin)
+            if there.fits:
                 conf = self.confs[1]
-                advice = AllocAdvice(str(conf), export_line(conf), other, other + outside.total)
+                advice = AllocAdvice(str(conf), export_line(conf), other, there.needed, there)
         return dict(
             reserved_bytes=reserved,
             fragmentation_bytes=reserved - peak,
             outside=outside.parts,
-            needed_bytes=needed,
-            fits=fits,
+            needed_bytes=here.needed,
+            fits=here.fits,
             reserved_replayed=replayed_here or not self.confs,
             fits_with=advice,
+            fit=here,
         )
 
     def reserved_at(self, cell: Cell, peak: int, index: int) -> int:
@@ -179,8 +181,8 @@ def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callab
     checks: list[ReservedCheck] = []
     while True:
         wanted = []
-        for index, advised in enumerate((False, True)):
-            row = best(_candidates(rows, fit, advised))
+        for index, advise in enumerate((False, True)):
+            row = best(_candidates(rows, advise))
             if row is not None and not row.reserved_replayed:
                 wanted.append((row, index))
         if not wanted:
@@ -219,21 +221,19 @@ def with_own_run(row: PlanRow, fit: ReservedFit) -> PlanRow:
     )
 
 
-def keeping_margin(rows, gpu: int, margin: int) -> list:
-    """The rows (``PlanRow`` or ``SchemeRow``) that fit keeping ``margin`` free: the
-    candidates for a best row."""
-    return [r for r in rows if r.fits and keeps_margin(r.needed_bytes, gpu, margin)]
+def keeping_margin(rows) -> list:
+    """The rows (``PlanRow`` or ``SchemeRow``) that fit keeping the plan's margin free
+    (their ``Fit``): the candidates for a best row."""
+    return [r for r in rows if r.fit.keeps_margin]
 
 
-def _candidates(rows: list[PlanRow], fit: ReservedFit, advised: bool) -> list[PlanRow]:
-    margin = fit.opts.memory.margin_bytes
-    if not advised:
-        return keeping_margin(rows, fit.gpu, margin)
-    return [
-        r
-        for r in rows
-        if r.fits_with is not None and keeps_margin(r.fits_with.needed_bytes, fit.gpu, margin)
-    ]
+def advised(rows) -> list:
+    """The rows that fit keeping the margin free under the advised allocator setting."""
+    return [r for r in rows if r.fits_with is not None and r.fits_with.fit.keeps_margin]
+
+
+def _candidates(rows: list[PlanRow], advise: bool) -> list[PlanRow]:
+    return advised(rows) if advise else keeping_margin(rows)
 
 
 def _check(old: PlanRow, fit: ReservedFit, index: int) -> ReservedCheck:

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from ..engine.plan import plan
 from ..inspection.build import retype_params
-from ..memory import estimate_memory
+from ..memory import estimate_memory, headroom
 from ..memory.step_schemes import (
     WHOLE_PARAMS,
     SchemeSettings,
@@ -52,6 +52,7 @@ from ..mesh import Mesh
 from .cell import Cell, grid
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
+from .plan_report import NOT_WRITTEN
 from .reserved_fit import ReservedFit, keeping_margin
 
 
@@ -74,6 +75,7 @@ class SchemeRow:
     temporaries: int
     peak_phase: str
     fits: bool
+    fit: headroom.Fit = field(metadata=NOT_WRITTEN)  # ``needed_bytes`` and ``fits``' verdict
 
     @property
     def cell(self) -> Cell:
@@ -164,11 +166,11 @@ class _RowMaker:
         )
         act = steps[phase].activations
         reserved = peak + self._fragmentation(cell)
-        needed = reserved + self.fit.outside(ws).total
+        outside = self.fit.outside(ws).total
+        verdict = headroom.fit(reserved, outside, self.opts.gpu_memory, self.fit.margin)
         return SchemeRow(
-            scheme, ws, cell.micro_batch, ck, peak, reserved, needed, m.persistent, m.gather,
-            m.reduce,
-            act, peak - m.total - act, phase, needed <= self.opts.gpu_memory,
+            scheme, ws, cell.micro_batch, ck, peak, reserved, verdict.needed, m.persistent,
+            m.gather, m.reduce, act, peak - m.total - act, phase, verdict.fits, verdict,
         )  # fmt: skip
 
     def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
@@ -308,7 +310,7 @@ def _scheme_memory(loaded, opts: PlanOptions):
 def _best(rows, opts: PlanOptions) -> SchemeRow | None:
     """As the plan's best: of the cells that fit keeping the margin free, most tokens
     per rank, then no recomputation, then fewest GPUs."""
-    fitting = keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)
+    fitting = keeping_margin(rows)
     if not fitting:
         return None
     return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))

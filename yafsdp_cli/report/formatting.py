@@ -71,9 +71,15 @@ def human_count(n: int) -> str:
 
 
 def plain(obj: Any) -> Any:
-    """Dataclasses, tuples, paths -> JSON-able builtins."""
+    """Dataclasses, tuples, paths -> JSON-able builtins. A dataclass field whose
+    metadata says ``{"json": False}`` is left out (a row's ``Fit``: the row's own
+    fields give its figures)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: plain(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.metadata.get("json", True)
+        }
     if isinstance(obj, dict):
         return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
