@@ -23,6 +23,7 @@ RANKS = {
     "gpu_table": 0,
     "fileio": 1,
     "numbers": 1,
+    "mesh": 1,
     "engine": 2,
     "options": 3,
     "sources": 3,

@@ -9,7 +9,7 @@ import pytest
 
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.inspection.inspect_options import InspectOptions
-from yafsdp_cli.memory.headroom import fits, headroom, needed_bytes, process_sum
+from yafsdp_cli.memory.headroom import fit, needed_bytes, process_sum
 from yafsdp_cli.options import LayoutOptions, MemoryOptions, StepOptions, route
 from yafsdp_cli.planning import PlanOptions
 from yafsdp_cli.profiling import ProfileOptions
@@ -83,6 +83,6 @@ def test_command_defaults_differ_where_the_commands_do():
 
 def test_the_fit_arithmetic():
     assert needed_bytes(6, 2) == 8
-    assert fits(6, 2, 8) and not fits(7, 2, 8)
-    assert headroom(6, 2, 10) == 2 and headroom(9, 2, 10) == -1
+    assert fit(6, 2, 8, 0).fits and not fit(7, 2, 8, 0).fits
+    assert fit(6, 2, 10, 0).free == 2 and fit(9, 2, 10, 0).free == -1
     assert process_sum(100, 2, 10) == 220

@@ -17,6 +17,7 @@ from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.inspection.build import retype_params
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
+from yafsdp_cli.planning.cell import Cell
 from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate, ranked_rows
 from yafsdp_cli.planning.plan_options import parse_count, parse_rate
 from yafsdp_cli.planning.plan_report import PlanBreakdown
@@ -35,7 +36,9 @@ def llama():
 @pytest.mark.parametrize("checkpointing", ["none", "non-reentrant"])
 def test_the_kernel_line_equals_a_direct_count(llama, checkpointing):
     opts = PlanOptions(gpu="h100-sxm", seq_len=SEQ)
-    one, two, five = (count_cell(llama, opts, SEQ, (1, mb, checkpointing)) for mb in (1, 2, 5))
+    one, two, five = (
+        count_cell(llama, opts, SEQ, Cell.at(1, mb, checkpointing)) for mb in (1, 2, 5)
+    )
     assert one.ops != two.ops  # the counts do grow with the batch
     line = interpolate(one, two, 1, 2, 5)
     assert len(line.ops) == len(five.ops) and line.tokens == five.tokens == 5 * SEQ
@@ -55,7 +58,9 @@ def test_the_kernel_line_equals_a_direct_count(llama, checkpointing):
 
 def test_kernels_that_differ_are_not_put_on_a_line(llama):
     opts = PlanOptions(gpu="h100-sxm", seq_len=SEQ)
-    plain, ckpt = (count_cell(llama, opts, SEQ, (1, 1, c)) for c in ("none", "non-reentrant"))
+    plain, ckpt = (
+        count_cell(llama, opts, SEQ, Cell.at(1, 1, c)) for c in ("none", "non-reentrant")
+    )
     assert interpolate(plain, ckpt, 1, 2, 3) is None
 
 
@@ -76,7 +81,7 @@ def test_every_cell_is_the_timing_packages_estimate_of_it(llama):
     for ws, mb, ck in [(4, 4, "non-reentrant"), (16, 1, "none"), (1, 2, "none")]:
         at = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
         row = at[(ws, mb, ck)]
-        costs = count_cell(llama, opts, SEQ, (ws, mb, ck))
+        costs = count_cell(llama, opts, SEQ, Cell.at(ws, mb, ck))
         want = estimate_step(
             costs,
             plan(spec, world_size=ws, align=opts.align),

@@ -235,13 +235,15 @@ def test_plan_on_several_processes_equals_the_plan_in_one():
 
 
 def test_a_failing_run_in_a_worker_is_the_plans_error():
+    from yafsdp_cli.planning.cell import Cell
     from yafsdp_cli.planning.measure import measure_peaks
     from yafsdp_cli.planning.pool import Origin, run_steps
 
     opts = PlanOptions(gpu_memory=2**30, reserve=0, seq_len=SEQ)
     origin = Origin(None, "sample_models.models:mlp", False)
     loaded = load_source(None, model=origin.model)
-    keys = [(1, 1, "none"), (1, 1, "non-reentrant"), (1, 2, "non-reentrant")]  # no units
+    # the mlp has no units to checkpoint
+    keys = [Cell.at(1, 1, "none"), Cell.at(1, 1, "non-reentrant"), Cell.at(1, 2, "non-reentrant")]
     with pytest.raises(YafsdpError, match="no repeated blocks to checkpoint"):
         run_steps(
             keys,
@@ -267,15 +269,24 @@ def test_the_default_grid_runs_on_past_cells_inside_the_margin():
     can (the 70B plan's micro-batch 8 fits at 128 GPUs only inside the margin)."""
     from types import SimpleNamespace as Ns
 
+    from yafsdp_cli.memory.headroom import fit
     from yafsdp_cli.planning.fit_grid import _up_to_enough
 
     gib = 2**30
-    opts = Ns(gpu_memory=80 * gib, memory=Ns(margin_bytes=2 * gib))
+    gpu = 80 * gib
+    opts = Ns(gpu_memory=gpu, memory=Ns(margin_bytes=2 * gib))
     needed = {(1, 1): 90, (1, 8): 95, (2, 1): 40, (2, 8): 79, (4, 1): 30, (4, 8): 70, (8, 1): 20}
-    rows = [
-        Ns(world_size=ws, micro_batch=mb, needed_bytes=n * gib, fits=n * gib <= opts.gpu_memory)
-        for (ws, mb), n in needed.items()
-    ]
-    assert sorted({r.world_size for r in _up_to_enough(rows, opts)}) == [1, 2, 4]
+
+    def rows():  # each row's Fit, as the plan gives it, under the options' margin
+        return [
+            Ns(
+                world_size=ws,
+                micro_batch=mb,
+                fit=fit(n * gib, 0, 80 * gib, opts.memory.margin_bytes),
+            )
+            for (ws, mb), n in needed.items()
+        ]
+
+    assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2, 4]
     opts.memory.margin_bytes = 0  # then 2 GPUs, where everything fits, are enough
-    assert sorted({r.world_size for r in _up_to_enough(rows, opts)}) == [1, 2]
+    assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2]

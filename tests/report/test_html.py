@@ -15,6 +15,7 @@ from benchmarks.bench_inspect_70b import write_sparse
 from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
 from yafsdp_cli.inspection.build import inspect_model
+from yafsdp_cli.memory.headroom import fit_by_share
 from yafsdp_cli.report.formatting import human_bytes
 from yafsdp_cli.report.html_pages import inspect_page, plan_heatmap
 from yafsdp_cli.sources import load_source
@@ -259,7 +260,14 @@ def test_plan_heatmap_hook_colours_each_cell_by_its_share_of_the_gpu():
     plan = {
         "gpu_memory_bytes": 80 * gib,
         "cells": [
-            {"world_size": ws, "micro_batch": mb, "checkpointing": ck, "peak_bytes": peak * gib}
+            {
+                "world_size": ws,
+                "micro_batch": mb,
+                "checkpointing": ck,
+                "peak_bytes": peak * gib,
+                "share": fit_by_share(peak * gib, 80 * gib).share,
+                "level": fit_by_share(peak * gib, 80 * gib).verdict,
+            }
             for ws, mb, ck, peak in [
                 (8, 1, "none", 90),
                 (8, 1, "full", 70),

@@ -5,7 +5,8 @@ runs of the converted model's step (``profiling``) into a grid of world size x
 micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
-the grid (``fit_grid``), the fake runs and the lines fitted through them
+the grid (``fit_grid``) and its key, a ``Cell`` of a mesh, a micro-batch and a
+checkpointing choice (``cell``), the fake runs and the lines fitted through them
 (``measure``), each cell's reserved peak and the memory beside the allocator
 (``reserved_fit``), each cell's step time on a named GPU and the best row by an
 objective (``cell_time``), the processes that run them at once (``pool``) and the

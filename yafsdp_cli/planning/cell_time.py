@@ -46,9 +46,10 @@ from ..timing import (
 from ..timing.gpu_profile import load_profile
 from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
+from .cell import Cell
 from .plan_options import PlanOptions
 from .plan_report import PlanRow, PlanTiming
-from .pool import Key, Origin, run_cells
+from .pool import Origin, run_cells
 from .reserved_fit import keeping_margin
 
 
@@ -76,21 +77,20 @@ def timing_setup(opts: PlanOptions) -> TimingSetup | None:
     return TimingSetup(gpu, eff, cluster)
 
 
-def count_cell(loaded, opts: PlanOptions, seq_len: int, key: Key) -> StepCosts:
-    """The kernels of one step of ``key`` = (world size, micro-batch, checkpointing);
-    the world size is not used (a rank's kernels do not depend on it)."""
-    _, micro_batch, checkpointing = key
+def count_cell(loaded, opts: PlanOptions, seq_len: int, cell: Cell) -> StepCosts:
+    """The kernels of one step of ``cell``; its mesh is not used (a rank's kernels do
+    not depend on it)."""
     step = ProfileOptions(
         optimizer=opts.optimizer,
         optimizer_impl=opts.optimizer_impl,
         units=opts.units,
-        batch=micro_batch,
+        batch=cell.micro_batch,
         seq_len=seq_len,
         seed=opts.seed,
         fake=True,
         param_dtype=opts.param_dtype,
         grad_dtype=opts.grad_dtype,
-        checkpointing=checkpointing,
+        checkpointing=cell.checkpointing,
         target=opts.target,
     )
     return count_step(loaded, step)
@@ -138,7 +138,7 @@ class CellTimer:
     def __init__(self, loaded, opts: PlanOptions, seq_len: int, setup: TimingSetup, origin):
         self.loaded, self.opts, self.seq_len, self.setup = loaded, opts, seq_len, setup
         self.origin: Origin | None = origin
-        self.counts: dict[Key, StepCosts] = {}
+        self.counts: dict[Cell, StepCosts] = {}
         spec = retype_params(loaded.spec, opts.param_dtype)
         cfg = opts.memory_config()
 
@@ -158,15 +158,15 @@ class CellTimer:
     def count(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> None:
         """Counts the two smallest micro-batches of each checkpointing choice."""
         points = sorted(set(micro_batches))[:2]
-        self._run([(1, mb, ck) for ck in checkpointing for mb in points])
+        self._run([Cell.at(1, mb, ck) for ck in checkpointing for mb in points])
 
-    def _run(self, keys: list[Key]) -> None:
-        wanted = [k for k in dict.fromkeys(keys) if k not in self.counts]
+    def _run(self, cells: list[Cell]) -> None:
+        wanted = [c for c in dict.fromkeys(cells) if c not in self.counts]
         if not wanted:
             return
         found, _ = run_cells(
             wanted,
-            lambda key: count_cell(self.loaded, self.opts, self.seq_len, key),
+            lambda cell: count_cell(self.loaded, self.opts, self.seq_len, cell),
             count_cell,
             loaded=self.loaded,
             opts=self.opts,
@@ -180,22 +180,23 @@ class CellTimer:
         return len(self.counts)
 
     def costs(self, micro_batch: int, checkpointing: str) -> StepCosts:
-        have = sorted(mb for (_, mb, ck) in self.counts if ck == checkpointing)
+        have = sorted(c.micro_batch for c in self.counts if c.checkpointing == checkpointing)
+        at = lambda mb: Cell.at(1, mb, checkpointing)  # noqa: E731 - counted at world size 1
         if micro_batch in have:
-            return self.counts[(1, micro_batch, checkpointing)]
+            return self.counts[at(micro_batch)]
         if len(have) >= 2:
             low, high = have[0], have[1]
             found = interpolate(
-                self.counts[(1, low, checkpointing)],
-                self.counts[(1, high, checkpointing)],
+                self.counts[at(low)],
+                self.counts[at(high)],
                 low,
                 high,
                 micro_batch,
             )
             if found is not None:
                 return found
-        self._run([(1, micro_batch, checkpointing)])
-        return self.counts[(1, micro_batch, checkpointing)]
+        self._run([at(micro_batch)])
+        return self.counts[at(micro_batch)]
 
     def time(self, row: PlanRow, costs: StepCosts, phases=None) -> StepEstimate:
         s = self.setup
@@ -251,7 +252,7 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
     objective, and what the cells were timed on."""
     objective = opts.objective or DEFAULT_OBJECTIVE
     # the best row keeps the margin free, as the untimed plan's does
-    candidates = {id(r) for r in keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)}
+    candidates = {id(r) for r in keeping_margin(rows)}
     kept = [r if id(r) in candidates else dataclasses.replace(r, fits=False) for r in rows]
     chosen = best_timed(kept, objective, opts.tokens)
     best, gpu_h, wall_h = chosen if chosen else (None, None, None)

@@ -20,17 +20,18 @@ from functools import cache
 
 from ..engine.plan import plan
 from ..inspection.build import retype_params
-from ..memory import estimate_memory
-from ..memory.headroom import fits, keeps_margin
+from ..memory import estimate_memory, headroom
+from ..mesh import Mesh
 from ..schemes import FLAT
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
+from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
 from .measure import PhaseLine, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
 from .pool import Origin
-from .reserved_fit import ReservedFit, keeping_margin, settle, with_own_run
+from .reserved_fit import ReservedFit, advised, keeping_margin, settle, with_own_run
 from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -64,11 +65,10 @@ def plan_model(
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
     fit = ReservedFit(opts, runner.figures, runner.model_total, runner.made)
     lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total, fit)
+    cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
     rows = [
-        _row(ws, mb, ck, seq_len, memory(ws), _line_for(lines, ck, ws), fit)
-        for ws in sizes
-        for ck in opts.checkpointing
-        for mb in opts.micro_batches
+        _row(c, seq_len, memory(c.world_size), _line_for(lines, c.checkpointing, c.world_size), fit)
+        for c in cells
     ]
     setup = timing_setup(opts)
     if setup is not None:
@@ -78,7 +78,7 @@ def plan_model(
     rows, reserved_checks = settle(rows, fit, runner.prefetch, chooser)
     if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
         best, advice = _best_and_advice(rows, opts)
-        timed = chooser(keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes))
+        timed = chooser(keeping_margin(rows))
         chosen = [r.world_size for r in (best, timed, advice and advice.row) if r is not None]
         rows = _up_to_enough(rows, opts, at_least=max(chosen, default=1))
     report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
@@ -152,7 +152,8 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
     ``total(ws)``: the persistent bytes per rank, which must fit before any step."""
 
     def persistent_fits(ws: int) -> bool:
-        return fits(total(ws), fit.outside(ws).total, opts.gpu_memory)
+        margin = opts.memory.margin_bytes
+        return headroom.fit(total(ws), fit.outside(ws).total, opts.gpu_memory, margin).fits
 
     above_one = [ws for ws in sizes if ws > 1]
     fitting = [ws for ws in above_one if persistent_fits(ws)]
@@ -176,17 +177,17 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
     return lines, tuple(checks)
 
 
-def _runs(opts: PlanOptions, regimes, ref2, points) -> list:
-    """The (world size, micro-batch, checkpointing) of every run ``_measure`` makes."""
-    keys = []
+def _runs(opts: PlanOptions, regimes, ref2, points) -> list[Cell]:
+    """The cell of every run ``_measure`` makes."""
+    cells = []
     for ck in opts.checkpointing:
         for ws in regimes:
-            keys += [(ws, mb, ck) for mb in points[:2]]
+            cells += [Cell.at(ws, point, ck) for point in points[:2]]
             if ws > 1 and ref2 is not None:
-                keys.append((ref2, points[0], ck))
+                cells.append(Cell.at(ref2, points[0], ck))
         if points[2:] and regimes:
-            keys.append((regimes[0], points[-1], ck))
-    return keys
+            cells.append(Cell.at(regimes[0], points[-1], ck))
+    return cells
 
 
 def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
@@ -197,22 +198,22 @@ def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
     return others[0] if others else lines[(checkpointing, 1)]
 
 
-def _row(ws, mb, ck, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
-    phase, act, temp = line.at(mb, ws)
+def _row(cell: Cell, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
+    phase, act, temp = line.at(cell.micro_batch, cell.world_size)
     breakdown = PlanBreakdown(
         m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
     )
     peak = m.total + act + temp
     row = PlanRow(
-        world_size=ws,
-        micro_batch=mb,
+        world_size=cell.world_size,
+        micro_batch=cell.micro_batch,
         seq_len=seq_len,
-        checkpointing=ck,
+        checkpointing=cell.checkpointing,
         peak_bytes=peak,
         breakdown=breakdown,
         peak_phase=phase,
-        measured=ws in line.world_sizes,
-        **fit.fields(ws, mb, ck, peak),
+        measured=cell.world_size in line.world_sizes,
+        **fit.fields(cell, peak),
     )
     return with_own_run(row, fit)
 
@@ -249,7 +250,7 @@ def _up_to_enough(rows: list[PlanRow], opts: PlanOptions, at_least: int = 1) -> 
     ``at_least``."""
     for ws in sorted({r.world_size for r in rows if r.world_size >= at_least}):
         at = [r for r in rows if r.world_size == ws]
-        if len(keeping_margin(at, opts.gpu_memory, opts.memory.margin_bytes)) == len(at):
+        if len(keeping_margin(at)) == len(at):
             return [r for r in rows if r.world_size <= ws]
     return rows
 
@@ -292,19 +293,11 @@ def _preference(r: PlanRow) -> tuple:
 def _best_and_advice(rows, opts: PlanOptions) -> tuple[PlanRow | None, PlanAdvice | None]:
     """The best row that fits keeping the margin free; and, when a row that fits only
     under another allocator setting (keeping the margin) beats it, that advice."""
-    margin = opts.memory.margin_bytes
-    best = best_row(keeping_margin(rows, opts.gpu_memory, margin))
-    advised = best_row(
-        [
-            r
-            for r in rows
-            if r.fits_with is not None
-            and keeps_margin(r.fits_with.needed_bytes, opts.gpu_memory, margin)
-        ]
-    )
-    if advised is None or (best is not None and _preference(best) <= _preference(advised)):
+    best = best_row(keeping_margin(rows))
+    other = best_row(advised(rows))
+    if other is None or (best is not None and _preference(best) <= _preference(other)):
         return best, None
-    return best, PlanAdvice(advised.fits_with.alloc_conf, advised.fits_with.export, advised)
+    return best, PlanAdvice(other.fits_with.alloc_conf, other.fits_with.export, other)
 
 
 def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> PlanReport:

@@ -29,9 +29,10 @@ from ..profiling import ProfileOptions
 from ..profiling.profiler import profile_converted
 from ..profiling.shard_sizes import RecordedStep
 from ..profiling.timeline import StepEvents
+from .cell import Cell
 from .plan_options import PlanOptions
 from .plan_report import LinearityCheck
-from .pool import Key, Origin, run_cells
+from .pool import Origin, run_cells
 from .reserved_fit import plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
@@ -76,17 +77,15 @@ class PhaseLine:
         return act + temp
 
 
-def measure_peaks(loaded, opts: PlanOptions, seq_len: int, key: Key) -> dict[str, int]:
-    """The phase peaks of one fake step of the converted model, ``key`` =
-    (world size, micro-batch, checkpointing), and its reserved peak under each of the
-    plan's allocator settings (``reserved_fit``)."""
-    return measure_step(loaded, opts, seq_len, key)[0]
+def measure_peaks(loaded, opts: PlanOptions, seq_len: int, cell: Cell) -> dict[str, int]:
+    """The phase peaks of one fake step of the converted model at ``cell``, and its
+    reserved peak under each of the plan's allocator settings (``reserved_fit``)."""
+    return measure_step(loaded, opts, seq_len, cell)[0]
 
 
-def measure_step(loaded, opts: PlanOptions, seq_len: int, key: Key):
+def measure_step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
     """``measure_peaks`` and the step it measured (``shard_sizes.RecordedStep``), from
     which the same step at another world size is had without running it."""
-    world_size, micro_batch, checkpointing = key
     steps: dict = {}
     profile_converted(
         loaded,
@@ -96,9 +95,9 @@ def measure_step(loaded, opts: PlanOptions, seq_len: int, key: Key):
             filters=opts.filters,
             excludes=opts.excludes,
             units=opts.units,
-            world_size=world_size,
+            world_size=cell.world_size,
             align=opts.align,
-            batch=micro_batch,
+            batch=cell.micro_batch,
             seq_len=seq_len,
             seed=opts.seed,
             fake=True,
@@ -107,7 +106,7 @@ def measure_step(loaded, opts: PlanOptions, seq_len: int, key: Key):
             freeze=opts.freeze,
             lora=opts.lora,
             quantize=opts.quantize,
-            checkpointing=checkpointing,
+            checkpointing=cell.checkpointing,
             round_bytes=opts.round_bytes,
             target=opts.target,
         ),
@@ -151,20 +150,20 @@ class Runner:
         self.origin = origin
         self.jobs = 1  # the most processes that ran steps at once
         self.steps = 0  # fake steps run; ``runs`` counts the runs they gave
-        self._peaks: dict[Key, dict[str, int]] = {}
+        self._peaks: dict[Cell, dict[str, int]] = {}
         self._sharded: dict[tuple[int, str], RecordedStep] = {}  # (mb, ck) -> a sharded step
 
-    def prefetch(self, keys: Sequence[Key]) -> None:
-        wanted = [k for k in dict.fromkeys(keys) if k not in self._peaks]
+    def prefetch(self, cells: Sequence[Cell]) -> None:
+        wanted = [c for c in dict.fromkeys(cells) if c not in self._peaks]
         for every in (False, True):  # then every step that cannot be rewritten
             left = self._rewritten(wanted)
             if not left:
                 return
             self._run_steps(left if every else self._one_per_step(left))
 
-    def _run_steps(self, keys: list[Key]) -> None:
+    def _run_steps(self, cells: list[Cell]) -> None:
         found, jobs = run_cells(
-            keys,
+            cells,
             self._measure,
             measure_step,
             loaded=self.loaded,
@@ -172,54 +171,54 @@ class Runner:
             seq_len=self.seq_len,
             origin=self.origin,
         )
-        self.jobs = max(self.jobs, min(jobs, len(keys)) if self.origin else 1)
-        self.steps += len(keys)
-        for key, (figures, step) in found.items():
-            self._peaks[key] = figures
-            known = self._sharded.get(key[1:])
-            if key[0] > 1 and (known is None or not known.rewritable):
-                self._sharded[key[1:]] = step
+        self.jobs = max(self.jobs, min(jobs, len(cells)) if self.origin else 1)
+        self.steps += len(cells)
+        for cell, (figures, step) in found.items():
+            self._peaks[cell] = figures
+            known = self._sharded.get(cell.choice)
+            if cell.world_size > 1 and (known is None or not known.rewritable):
+                self._sharded[cell.choice] = step
 
-    def _rewritten(self, keys: list[Key]) -> list[Key]:
-        """Give each key whose micro-batch and checkpointing have a sharded step that
-        can be rewritten for its world size its figures; the keys left."""
+    def _rewritten(self, cells: list[Cell]) -> list[Cell]:
+        """Give each cell whose micro-batch and checkpointing have a sharded step that
+        can be rewritten for its world size its figures; the cells left."""
         left = []
-        for key in keys:
-            step = self._sharded.get(key[1:]) if key[0] > 1 else None
-            events = step.at_world_size(key[0]) if step is not None else None
-            if events is not None and key not in self._peaks:
-                self._peaks[key] = run_figures(events, self.opts)
-            elif key not in self._peaks:
-                left.append(key)
+        for cell in cells:
+            step = self._sharded.get(cell.choice) if cell.world_size > 1 else None
+            events = step.at_world_size(cell.world_size) if step is not None else None
+            if events is not None and cell not in self._peaks:
+                self._peaks[cell] = run_figures(events, self.opts)
+            elif cell not in self._peaks:
+                left.append(cell)
         return left
 
-    def _one_per_step(self, keys: list[Key]) -> list[Key]:
-        """Every key at world size 1, and of those above, the first of each micro-batch
+    def _one_per_step(self, cells: list[Cell]) -> list[Cell]:
+        """Every cell at world size 1, and of those above, the first of each micro-batch
         and checkpointing (the others are its events at their own world sizes), or
         all of them where a step of theirs could not be rewritten."""
         seen: set[tuple[int, str]] = set()
         out = []
-        for key in keys:
-            if key[0] == 1 or key[1:] not in seen or key[1:] in self._sharded:
-                out.append(key)
-            if key[0] > 1:
-                seen.add(key[1:])
+        for cell in cells:
+            if cell.world_size == 1 or cell.choice not in seen or cell.choice in self._sharded:
+                out.append(cell)
+            if cell.world_size > 1:
+                seen.add(cell.choice)
         return out
 
     @property
     def runs(self) -> int:
         return len(self._peaks)
 
-    def made(self) -> list[Key]:
+    def made(self) -> list[Cell]:
         """The runs made so far."""
         return list(self._peaks)
 
-    def figures(self, key: Key) -> dict[str, int] | None:
+    def figures(self, cell: Cell) -> dict[str, int] | None:
         """A run's figures (phase peaks, reserved peaks), None if it is not made."""
-        return self._peaks.get(key)
+        return self._peaks.get(cell)
 
-    def _measure(self, key: Key):
-        return measure_step(self.loaded, self.opts, self.seq_len, key)
+    def _measure(self, cell: Cell):
+        return measure_step(self.loaded, self.opts, self.seq_len, cell)
 
     def excess(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
         """Each phase's measured peak minus the model's bytes at ``world_size``."""
@@ -240,9 +239,9 @@ class Runner:
         return {p: peaks[GRADS + p] for p in PHASES if GRADS + p in peaks}
 
     def _run(self, world_size: int, micro_batch: int, checkpointing: str) -> dict[str, int]:
-        key = (world_size, micro_batch, checkpointing)
-        self.prefetch([key])
-        return self._peaks[key]
+        cell = Cell.at(world_size, micro_batch, checkpointing)
+        self.prefetch([cell])
+        return self._peaks[cell]
 
     def line(
         self,

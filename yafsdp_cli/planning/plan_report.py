@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..memory.headroom import Fit
 from ..memory.outside_allocator import OutsidePart
+from .cell import Cell
 from .plan_options import PlanOptions
 
 if TYPE_CHECKING:
     from ..timing import StepEstimate
 
 SCHEMA = "yafsdp.plan/1"
+# a field the ``yafsdp.plan/1`` document leaves out (``report.formatting.plain``): the
+# ``Fit`` a row carries, whose figures the document gives as the row's own fields
+NOT_WRITTEN = {"json": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,7 @@ class AllocAdvice:
     export: str  # the shell line that sets it for the training job
     reserved_bytes: int  # the predicted reserved peak under it
     needed_bytes: int  # reserved_bytes + the memory beside the allocator
+    fit: Fit = field(metadata=NOT_WRITTEN)  # the verdict under this setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,13 @@ class PlanRow:
     reserved_replayed: bool  # True: from this cell's own fake step; False: carried
     fits_with: AllocAdvice | None  # when it fits only under another allocator setting
     time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
+    # the verdict under the plan's allocator setting (``memory.headroom.fit``): ``fits``
+    # and ``needed_bytes`` are its figures; what the views show. Always set by a plan.
+    fit: Fit | None = field(default=None, metadata=NOT_WRITTEN)
+
+    @property
+    def cell(self) -> Cell:
+        return Cell.at(self.world_size, self.micro_batch, self.checkpointing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ op, one core each, independent of the others. ``run_steps`` runs them in this
 process and, with ``jobs`` above 1, in ``jobs - 1`` worker processes besides
 (``spawn``: a fresh interpreter, never a fork of a process that holds torch's
 thread pools). A worker loads the source itself, from what the user gave (path,
-``--model``, ``--trust-pickle``), so only the run's key and its phase peaks cross
+``--model``, ``--trust-pickle``), so only the run's cell (``cell.Cell``) and its phase peaks cross
 the pipe. Runs are taken from one queue, the dearest first by the workers and the
 cheapest first by this process, so the cores stay busy to the end. A fake step's
 figures do not depend on where it runs, so the plan is the same for any ``jobs``
@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Key = tuple[int, int, str]  # (world size, micro-batch, checkpointing)
+from .cell import Cell
+
 PARALLEL_MODULES = 200
 
 
@@ -69,35 +70,35 @@ def run_cells(wanted, local, measure, *, loaded, opts, seq_len, origin):
 
 
 def run_steps(
-    keys: Sequence[Key],
-    local: Callable[[Key], dict[str, int]],
+    cells: Sequence[Cell],
+    local: Callable[[Cell], dict[str, int]],
     *,
     jobs: int,
     origin: Origin | None,
     measure: Callable[..., dict[str, int]],
     worker_args: tuple[Any, ...],
-) -> dict[Key, dict[str, int]]:
-    """The phase peaks of every key's fake run: ``local(key)`` here, and in workers
-    ``measure(loaded, *worker_args, key)`` (a module-level function: it is pickled by
+) -> dict[Cell, dict[str, int]]:
+    """The phase peaks of every cell's fake run: ``local(cell)`` here, and in workers
+    ``measure(loaded, *worker_args, cell)`` (a module-level function: it is pickled by
     name) on the source they load. Without an ``origin`` (a module built in this
     process only) every run is local."""
-    order = sorted(dict.fromkeys(keys), key=_cost, reverse=True)
+    order = sorted(dict.fromkeys(cells), key=_cost, reverse=True)
     jobs = max(1, min(jobs, len(order)))
     if jobs == 1 or origin is None:
-        return {key: local(key) for key in order}
+        return {cell: local(cell) for cell in order}
     queue = deque(order)
-    results: dict[Key, dict[str, int]] = {}
+    results: dict[Cell, dict[str, int]] = {}
     failures: list[BaseException] = []
     with _pool(jobs - 1, (origin, measure, *worker_args)) as pool:
 
         def feed() -> None:  # one thread per worker: it waits, the worker computes
             while not failures:
                 try:
-                    key = queue.popleft()
+                    cell = queue.popleft()
                 except IndexError:
                     return
                 try:
-                    results[key] = pool.apply(_run, (key,))
+                    results[cell] = pool.apply(_run, (cell,))
                 except BaseException as exc:  # noqa: BLE001 - re-raised below, in order
                     failures.append(exc)
 
@@ -106,10 +107,10 @@ def run_steps(
             t.start()
         while not failures:
             try:
-                key = queue.pop()
+                cell = queue.pop()
             except IndexError:
                 break
-            results[key] = local(key)
+            results[cell] = local(cell)
         for t in threads:
             t.join()
     if failures:
@@ -135,10 +136,9 @@ def _pool(processes: int, initargs: tuple):
             signal.signal(signal.SIGINT, before)
 
 
-def _cost(key: Key) -> tuple[bool, int]:
+def _cost(cell: Cell) -> tuple[bool, int]:
     """Checkpointed runs recompute the forward; more micro-batch is more tokens."""
-    _, micro_batch, checkpointing = key
-    return checkpointing != "none", micro_batch
+    return cell.checkpointing != "none", cell.micro_batch
 
 
 _WORKER: dict[str, Any] = {}
@@ -151,6 +151,6 @@ def _init(origin: Origin, measure: Callable, *args: Any) -> None:
     _WORKER["run"] = (measure, loaded, args)
 
 
-def _run(key: Key) -> dict[str, int]:
+def _run(cell: Cell) -> dict[str, int]:
     measure, loaded, args = _WORKER["run"]
-    return measure(loaded, *args, key)
+    return measure(loaded, *args, cell)

@@ -38,14 +38,14 @@ from collections.abc import Callable
 
 import torch
 
+from ..memory import headroom
 from ..memory.caching_allocator import reserved_of
-from ..memory.headroom import headroom, keeps_margin
 from ..memory.outside_allocator import OutsideAllocator, OutsidePart, outside_memory
 from ..options.alloc_conf import ALLOC_CONF_VAR, AllocatorConf, allocator_setting
+from .cell import Cell
 from .plan_report import AllocAdvice, PlanRow, ReservedCheck
 
 RESERVED = "reserved:"  # a run's figures: RESERVED + setting -> its reserved peak
-Key = tuple[int, int, str]  # (world size, micro-batch, checkpointing)
 SEGMENT_STEP = 2 << 20  # the allocator takes memory from the driver in multiples of 2 MiB
 
 
@@ -84,7 +84,7 @@ def export_line(conf: AllocatorConf) -> str:
 
 
 class ReservedFit:
-    """The reserved and outside figures of the cells of one plan. ``figures(key)``:
+    """The reserved and outside figures of the cells of one plan. ``figures(cell)``:
     the run's figures when that run is made (None otherwise); ``model_total(ws)``:
     the memory model's persistent bytes."""
 
@@ -92,6 +92,7 @@ class ReservedFit:
         self.opts, self.figures, self.model_total, self.runs = opts, figures, model_total, runs
         self.confs = plan_confs(opts)
         self.gpu = opts.gpu_memory
+        self.margin = opts.memory.margin_bytes
         self._outside: dict[int, OutsideAllocator] = {}
 
     @property
@@ -103,51 +104,53 @@ class ReservedFit:
             self._outside[world_size] = outside_at(self.opts, world_size)
         return self._outside[world_size]
 
-    def fields(self, ws: int, mb: int, ck: str, peak: int) -> dict:
-        """A ``PlanRow``'s reserved, outside and fit fields for a cell of ``peak``
+    def fields(self, cell: Cell, peak: int) -> dict:
+        """A ``PlanRow``'s reserved, outside and fit fields for ``cell`` at ``peak``
         allocated bytes."""
-        outside = self.outside(ws)
-        frags, replayed_here = self._fragmentation((ws, mb, ck), peak)
+        outside = self.outside(cell.world_size)
+        frags, replayed_here = self._fragmentation(cell, peak)
         reserved = peak + (frags[0] if frags else 0)
-        needed = reserved + outside.total
-        fits = headroom(reserved, outside.total, self.gpu) >= 0
+        here = headroom.fit(reserved, outside.total, self.gpu, self.margin)
         advice = None
-        if not fits and len(frags) > 1:
+        if not here.fits and len(frags) > 1:
             other = peak + frags[1]
-            if headroom(other, outside.total, self.gpu) >= 0:
+            there = headroom.fit(other, outside.total, self.gpu, self.margin)
+            if there.fits:
                 conf = self.confs[1]
-                advice = AllocAdvice(str(conf), export_line(conf), other, other + outside.total)
+                advice = AllocAdvice(str(conf), export_line(conf), other, there.needed, there)
         return dict(
             reserved_bytes=reserved,
             fragmentation_bytes=reserved - peak,
             outside=outside.parts,
-            needed_bytes=needed,
-            fits=fits,
+            needed_bytes=here.needed,
+            fits=here.fits,
             reserved_replayed=replayed_here or not self.confs,
             fits_with=advice,
+            fit=here,
         )
 
-    def reserved_at(self, key: Key, peak: int, index: int) -> int:
+    def reserved_at(self, cell: Cell, peak: int, index: int) -> int:
         """The cell's reserved peak under setting ``index``."""
-        return peak + self._fragmentation(key, peak)[0][index]
+        return peak + self._fragmentation(cell, peak)[0][index]
 
-    def _fragmentation(self, key: Key, peak: int) -> tuple[list[int], bool]:
+    def _fragmentation(self, cell: Cell, peak: int) -> tuple[list[int], bool]:
         """Per setting, the cell's reserved minus allocated bytes, and whether they
         come from the cell's own run."""
         if not self.confs:
             return [], True
-        own = self.figures(key)
+        own = self.figures(cell)
         if own is not None:
             run_peak = _peak(own)
             # the run's own replay; where the plan's line puts the cell above the run,
             # the run's fragmentation on top of the line's peak
             return [max(own[RESERVED + str(c)] - min(peak, run_peak), 0) for c in self.confs], True
-        ws, mb, ck = key
-        made = [k for k in self.runs() if k[2] == ck]
+        made = [c for c in self.runs() if c.checkpointing == cell.checkpointing]
         # world size 1 holds whole parameters, gradients and states: other blocks fragment
-        same = [k for k in made if (k[0] == 1) == (ws == 1)] or made
-        gap = min(abs(math.log2(k[1] / mb)) for k in same)
-        runs = [self.figures(k) for k in same if abs(math.log2(k[1] / mb)) == gap]
+        same = [c for c in made if (c.world_size == 1) == (cell.world_size == 1)] or made
+        gap = min(abs(math.log2(c.micro_batch / cell.micro_batch)) for c in same)
+        runs = [
+            self.figures(c) for c in same if abs(math.log2(c.micro_batch / cell.micro_batch)) == gap
+        ]
         frags = [max(max(r[RESERVED + str(c)] - _peak(r), 0) for r in runs) for c in self.confs]
         # every segment, and every page of an expandable one, is a multiple of 2 MiB
         return [_up_to(peak + f, SEGMENT_STEP) - peak for f in frags], False
@@ -169,7 +172,7 @@ def _peak(figures: dict[str, int]) -> int:
 
 def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callable):
     """The rows with the best one and the best advised one replayed from their own
-    fake steps (``replay(keys)`` makes the runs, in parallel where it can), repeating
+    fake steps (``replay(cells)`` makes the runs, in parallel where it can), repeating
     while a replay changes the choice; and the checks of carried against replayed
     figures. Both candidates of a round are replayed together: on two or more cores
     the second run costs no wall time. After each round every carried row is carried
@@ -178,13 +181,13 @@ def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callab
     checks: list[ReservedCheck] = []
     while True:
         wanted = []
-        for index, advised in enumerate((False, True)):
-            row = best(_candidates(rows, fit, advised))
+        for index, advise in enumerate((False, True)):
+            row = best(_candidates(rows, advise))
             if row is not None and not row.reserved_replayed:
                 wanted.append((row, index))
         if not wanted:
             return rows, tuple(checks)
-        replay([(r.world_size, r.micro_batch, r.checkpointing) for r, _ in wanted])
+        replay([r.cell for r, _ in wanted])
         checks += [_check(r, fit, index) for r, index in wanted]
         rows = [r if r.reserved_replayed else _again(r, fit) for r in rows]
 
@@ -192,10 +195,9 @@ def settle(rows: list[PlanRow], fit: ReservedFit, replay: Callable, best: Callab
 def _again(row: PlanRow, fit: ReservedFit) -> PlanRow:
     """``row`` after the replays: its own run's peaks where it now has one, and its
     reserved fields anew."""
-    key = (row.world_size, row.micro_batch, row.checkpointing)
-    if fit.figures(key) is not None:
+    if fit.figures(row.cell) is not None:
         return with_own_run(row, fit)
-    return dataclasses.replace(row, **fit.fields(*key, row.peak_bytes))
+    return dataclasses.replace(row, **fit.fields(row.cell, row.peak_bytes))
 
 
 def with_own_run(row: PlanRow, fit: ReservedFit) -> PlanRow:
@@ -203,7 +205,7 @@ def with_own_run(row: PlanRow, fit: ReservedFit) -> PlanRow:
     phase, as ``profile --fake`` of the cell gives them, and the reserved fields
     that go with it; the line's figure only estimates it (how far, the plan's
     linearity checks report). The difference goes to ``temporaries``."""
-    own = fit.figures((row.world_size, row.micro_batch, row.checkpointing))
+    own = fit.figures(row.cell)
     if own is None:
         return row
     phase, peak = _top_phase(own)
@@ -215,30 +217,29 @@ def with_own_run(row: PlanRow, fit: ReservedFit) -> PlanRow:
         peak_phase=phase,
         breakdown=breakdown,
         measured=True,
-        **fit.fields(row.world_size, row.micro_batch, row.checkpointing, peak),
+        **fit.fields(row.cell, peak),
     )
 
 
-def keeping_margin(rows, gpu: int, margin: int) -> list:
-    """The rows (``PlanRow`` or ``SchemeRow``) that fit keeping ``margin`` free: the
-    candidates for a best row."""
-    return [r for r in rows if r.fits and keeps_margin(r.needed_bytes, gpu, margin)]
+def keeping_margin(rows) -> list:
+    """The rows (``PlanRow`` or ``SchemeRow``) that fit keeping the plan's margin free
+    (their ``Fit``): the candidates for a best row."""
+    return [r for r in rows if r.fit.keeps_margin]
 
 
-def _candidates(rows: list[PlanRow], fit: ReservedFit, advised: bool) -> list[PlanRow]:
-    margin = fit.opts.memory.margin_bytes
-    if not advised:
-        return keeping_margin(rows, fit.gpu, margin)
-    return [
-        r
-        for r in rows
-        if r.fits_with is not None and keeps_margin(r.fits_with.needed_bytes, fit.gpu, margin)
-    ]
+def advised(rows) -> list:
+    """The rows that fit keeping the margin free under the advised allocator setting."""
+    return [r for r in rows if r.fits_with is not None and r.fits_with.fit.keeps_margin]
+
+
+def _candidates(rows: list[PlanRow], advise: bool) -> list[PlanRow]:
+    return advised(rows) if advise else keeping_margin(rows)
 
 
 def _check(old: PlanRow, fit: ReservedFit, index: int) -> ReservedCheck:
     """``old``'s carried reserved peak under setting ``index`` against its replay."""
     carried = old.fits_with.reserved_bytes if index else old.reserved_bytes
-    key = (old.world_size, old.micro_batch, old.checkpointing)
-    now = fit.reserved_at(key, old.peak_bytes, index)
-    return ReservedCheck(*key, str(fit.confs[index]), carried, now)
+    cell = old.cell
+    now = fit.reserved_at(cell, old.peak_bytes, index)
+    conf = str(fit.confs[index])
+    return ReservedCheck(cell.world_size, cell.micro_batch, cell.checkpointing, conf, carried, now)

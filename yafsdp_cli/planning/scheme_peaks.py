@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from ..engine.plan import plan
 from ..inspection.build import retype_params
-from ..memory import estimate_memory
+from ..memory import estimate_memory, headroom
 from ..memory.step_schemes import SchemeSettings, StepAt, scheme_memory
+from ..mesh import Mesh
 from ..schemes import FLAT, FSDP2, Scheme, parse
+from .cell import Cell, grid
 from .measure import PhaseLine, Runner
 from .plan_options import PlanOptions
+from .plan_report import NOT_WRITTEN
 from .reserved_fit import ReservedFit, keeping_margin
 
 
@@ -67,6 +70,11 @@ class SchemeRow:
     temporaries: int
     peak_phase: str
     fits: bool
+    fit: headroom.Fit = field(metadata=NOT_WRITTEN)  # ``needed_bytes`` and ``fits``' verdict
+
+    @property
+    def cell(self) -> Cell:
+        return Cell.at(self.world_size, self.micro_batch, self.checkpointing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +93,7 @@ class SchemePlan:
     rows: tuple[SchemeRow, ...]
     smallest: tuple[SchemeSmallest, ...]
     best: SchemeRow | None
-    compared_at: tuple[int, int, str] | None  # (world size, micro-batch, checkpointing)
+    compared_at: Cell | None  # written as [world size, micro-batch, checkpointing]
     flat_peak_bytes: int | None  # the flat scheme's peak there
     flat_saves_bytes: int | None  # this scheme's peak minus the flat peak there
     # fsdp2 only: its best configuration with reshard_after_forward=False, which keeps
@@ -124,18 +132,15 @@ def compare_schemes(
     line_at = lambda ck, ws: line_for(lines, ck, ws)  # noqa: E731
     rows = _RowMaker(opts, _scheme_memory(loaded, opts), line_at, fit, runner)
     rows.whole, rows.settings = whole, settings
-    grids = {
-        s: tuple(rows(s, ws, mb, ck) for ws in sizes for ck in opts.checkpointing
-                 for mb in opts.micro_batches)
-        for s in chosen
-    }  # fmt: skip
+    cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
+    grids = {s: tuple(rows(s, c) for c in cells) for s in chosen}
     flat_best = _best(grids[FLAT], opts) if FLAT in grids else None
     return tuple(_scheme_plan(s, grid, grids.get(FLAT, ()), flat_best, rows, opts)
                  for s, grid in grids.items())  # fmt: skip
 
 
 class _RowMaker:
-    """``(scheme, world size, micro-batch, checkpointing) -> SchemeRow``."""
+    """``(scheme, cell) -> SchemeRow``."""
 
     def __init__(self, opts, memory: Callable, line_at: Callable, fit: ReservedFit, runner):
         self.opts, self.memory, self.line_at, self.fit = opts, memory, line_at, fit
@@ -145,23 +150,25 @@ class _RowMaker:
         self._per_rank_parts: dict[tuple, dict[str, float]] = {}
 
     def __call__(
-        self, scheme: Scheme, ws, mb, ck, settings: SchemeSettings | None = None
+        self, scheme: Scheme, cell: Cell, settings: SchemeSettings | None = None
     ) -> SchemeRow:
         settings = settings or self.settings
+        ws, ck = cell.world_size, cell.checkpointing
         full = scheme.whole_params
         line = self.whole[ck] if full else self.line_at(ck, ws)
         m = self.memory(scheme, ws, settings)
-        steps = self._steps(line, mb, 1 if full else ws)
+        steps = self._steps(line, cell.micro_batch, 1 if full else ws)
         phase, peak = max(
             ((p, scheme.phase_peak(p, m, at, ws, settings)) for p, at in steps.items()),
             key=lambda pair: pair[1],
         )
         act = steps[phase].activations
-        reserved = peak + self._fragmentation(ws, mb, ck)
-        needed = reserved + self.fit.outside(ws).total
+        reserved = peak + self._fragmentation(cell)
+        outside = self.fit.outside(ws).total
+        verdict = headroom.fit(reserved, outside, self.opts.gpu_memory, self.fit.margin)
         return SchemeRow(
-            scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
-            act, peak - m.total - act, phase, needed <= self.opts.gpu_memory,
+            scheme, ws, cell.micro_batch, ck, peak, reserved, verdict.needed, m.persistent,
+            m.gather, m.reduce, act, peak - m.total - act, phase, verdict.fits, verdict,
         )  # fmt: skip
 
     def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
@@ -182,7 +189,11 @@ class _RowMaker:
         once activations dominate); the per-rank part fitted as the line's is."""
         ws0, ck = line.world_sizes[0], line.checkpointing
         of = getattr(self.runner, figure)
-        runs = sorted(k[1] for k in self.runner.made() if k[0] == ws0 and k[2] == ck)
+        runs = sorted(
+            c.micro_batch
+            for c in self.runner.made()
+            if c.world_size == ws0 and c.checkpointing == ck
+        )
         at = {m: of(ws0, m, ck)[phase] for m in runs}
         value = _between(at, mb)
         if len(line.world_sizes) > 1:
@@ -199,39 +210,38 @@ class _RowMaker:
             self._per_rank_parts[key] = fitted.per_rank or {}
         return self._per_rank_parts[key]
 
-    def _fragmentation(self, ws: int, mb: int, ck: str) -> int:
+    def _fragmentation(self, cell: Cell) -> int:
         """The caching allocator's reserved minus allocated bytes at the cell, as the
         flat step's replay there has it: added to every scheme's peak (their steps
         allocate the same activations and temporaries)."""
         if not self.fit.confs:
             return 0
-        _, act, temp = self.line_at(ck, ws).at(mb, ws)
+        ws = cell.world_size
+        _, act, temp = self.line_at(cell.checkpointing, ws).at(cell.micro_batch, ws)
         flat = self.memory(FLAT, ws, SchemeSettings()).total + act + temp
-        return self.fit.reserved_at((ws, mb, ck), flat, 0) - flat
+        return self.fit.reserved_at(cell, flat, 0) - flat
 
 
 def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> SchemePlan:
     best = _best(rows, opts)
     where = best or flat_best
-    key = (where.world_size, where.micro_batch, where.checkpointing) if where else None
-    flat = next((r for r in flat_rows if _key(r) == key), None)
-    mine = next((r for r in rows if _key(r) == key), None)
+    at = where.cell if where else None
+    flat = next((r for r in flat_rows if r.cell == at), None)
+    mine = next((r for r in rows if r.cell == at), None)
     saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
     plan = SchemePlan(
-        scheme, scheme.configuration(make.settings), rows, _smallest(rows, opts), best, key,
+        scheme, scheme.configuration(make.settings), rows, _smallest(rows, opts), best, at,
         flat.peak_bytes if flat else None, saves,
     )  # fmt: skip
     if scheme is not FSDP2 or best is None or best.world_size == 1:
         return plan
     no_reshard = dataclasses.replace(make.settings, reshard_after_forward=False)
-    kept = make(scheme, *_key(best), settings=no_reshard)
+    kept = make(scheme, best.cell, settings=no_reshard)
     return dataclasses.replace(
         plan, no_reshard_peak_bytes=kept.peak_bytes, no_reshard_fits=kept.fits
     )
 
 
-def _key(r: SchemeRow) -> tuple[int, int, str]:
-    return (r.world_size, r.micro_batch, r.checkpointing)
 
 
 def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
@@ -278,7 +288,7 @@ def _scheme_memory(loaded, opts: PlanOptions):
 def _best(rows, opts: PlanOptions) -> SchemeRow | None:
     """As the plan's best: of the cells that fit keeping the margin free, most tokens
     per rank, then no recomputation, then fewest GPUs."""
-    fitting = keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)
+    fitting = keeping_margin(rows)
     if not fitting:
         return None
     return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))

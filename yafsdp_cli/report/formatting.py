@@ -73,11 +73,17 @@ def human_count(n: int) -> str:
 
 def plain(obj: Any) -> Any:
     """Dataclasses, tuples, paths -> JSON-able builtins; a scheme -> its name (the
-    inspect document spells its schemes otherwise: ``inspect_view.to_json``)."""
+    inspect document spells its schemes otherwise: ``inspect_view.to_json``). A
+    dataclass field whose metadata says ``{"json": False}`` is left out (a row's
+    ``Fit``: the row's own fields give its figures)."""
     if isinstance(obj, Scheme):
         return obj.name
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {
+            f.name: plain(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.metadata.get("json", True)
+        }
     if isinstance(obj, dict):
         return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):

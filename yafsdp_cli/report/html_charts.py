@@ -130,30 +130,32 @@ def _variant(variant, colour, ser, bands, ymax, prof) -> list[str]:
 def plan_heatmap(plan: Mapping) -> str:
     """The plan's fits grid as a heat map: the hook for ``yafsdp plan --html``.
 
-    ``plan`` is the plan result as JSON-like data (``report.formatting.plain`` of its
-    dataclass, or its ``--json`` document)::
+    ``plan`` is JSON-like data (``plan_view.heatmap_data``), each cell's figures and
+    colour from its ``memory.headroom.Fit``::
 
         {"gpu_memory_bytes": 85899345920,
          "cells": [{"world_size": 8, "micro_batch": 1, "checkpointing": "none",
-                    "peak_bytes": 64424509440, "verdict": "fits", "tight": false},
+                    "peak_bytes": 64424509440, "share": 0.75, "level": "fits",
+                    "verdict": "fits"},
                    ...]}
 
     Rows are world sizes, columns (micro-batch, checkpointing) choices; a cell is
-    what the GPU must hold per rank. With a ``verdict`` (the plan's: fits, fits* =
-    fits under another allocator setting, OOM; ``tight``: fits inside the margin)
-    the cell shows it as the terminal does and is coloured by it (green, amber for
-    tight and fits*, red); without, green below 80% of the GPU, amber up to 100%,
-    red above.
+    what the GPU must hold per rank (``peak_bytes``, ``share`` of the GPU: the Fit's
+    ``needed`` and ``share``), coloured by ``level`` (a Fit's verdict: green fits,
+    amber tight, red over). With a ``verdict`` word (the plan's: fits, fits* = fits
+    under another allocator setting, OOM) the cell shows it as the terminal does and
+    the legend reads the plan's margin; without, the legend reads
+    ``headroom.fit_by_share``'s 80% of the GPU. The chart compares no figure itself.
     """
     limit = int(plan["gpu_memory_bytes"])
     cells = list(plan["cells"])
     rows = sorted({int(c["world_size"]) for c in cells})
-    cols = list(dict.fromkeys((int(c["micro_batch"]), str(c["checkpointing"])) for c in cells))
-    at = {(int(c["world_size"]), int(c["micro_batch"]), str(c["checkpointing"])): c for c in cells}
+    cols = list(dict.fromkeys(_column(c) for c in cells))
+    at = {(int(c["world_size"]), _column(c)): c for c in cells}
     head = "".join(f"<th>micro-batch {mb}<br>{esc(ck)}</th>" for mb, ck in cols)
     body = []
     for ws in rows:
-        tds = "".join(_heat_cell(at.get((ws, mb, ck)), limit) for mb, ck in cols)
+        tds = "".join(_heat_cell(at.get((ws, col))) for col in cols)
         body.append(f'<tr><th class="r">{ws} GPU{"" if ws == 1 else "s"}</th>{tds}</tr>')
     verdicts = any("verdict" in c for c in cells)
     legend = "".join(
@@ -169,8 +171,7 @@ def plan_heatmap(plan: Mapping) -> str:
     )
 
 
-HEAT = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}
-VERDICT_CLASS = {"fits": "fits", "fits*": "tight", "OOM": "over"}
+HEAT = {"fits": "#d7f0dd", "tight": "#fdebc8", "over": "#f9d3d0"}  # a Fit's verdicts
 LEGEND_VERDICT = (
     ("fits", "fits, keeping the margin free"),
     ("tight", "fits inside the margin, or fits* only under another allocator setting"),
@@ -183,19 +184,19 @@ LEGEND_SHARE = (
 )
 
 
-def _heat_cell(cell, limit: int) -> str:
+def _column(cell: Mapping) -> tuple[int, str]:
+    """A cell's column: its micro-batch and checkpointing."""
+    return int(cell["micro_batch"]), str(cell["checkpointing"])
+
+
+def _heat_cell(cell) -> str:
     if cell is None:
         return '<td class="cell">-</td>'
     peak = int(cell["peak_bytes"])
-    ratio = peak / limit if limit else math.inf
+    fits = str(cell["level"])
     verdict = cell.get("verdict")
-    if verdict is None:
-        fits = "fits" if ratio <= 0.8 else "tight" if ratio <= 1.0 else "over"
-        text = human_bytes(peak)
-    else:
-        fits = "tight" if cell.get("tight") else VERDICT_CLASS[verdict]
-        text = f"{human_bytes(peak)} {verdict}"
-    tip = f"{num(peak)} B, {100 * ratio:.1f}% of the GPU" + (
+    text = human_bytes(peak) if verdict is None else f"{human_bytes(peak)} {verdict}"
+    tip = f"{num(peak)} B, {100 * float(cell['share']):.1f}% of the GPU" + (
         f"; {cell['tip']}" if cell.get("tip") else ""
     )
     return (

@@ -1,9 +1,14 @@
-"""``yafsdp plan`` output: the fits grid as a Rich table, markdown, JSON and HTML."""
+"""``yafsdp plan`` output: the fits grid as a Rich table, markdown, JSON and HTML.
+
+Every verdict and free figure shown is a row's ``Fit`` (``memory.headroom.fit``): the
+views name it (``WORD``) and colour it, and compare no figure themselves.
+"""
 
 from __future__ import annotations
 
-from ..memory.headroom import keeps_margin
+from ..memory.headroom import FITS, OVER, TIGHT, Fit
 from ..planning import SCHEMA, PlanReport, PlanRow
+from ..planning.cell import Cell
 from . import scheme_view
 from .formatting import (
     AnswerText,
@@ -16,6 +21,7 @@ from .formatting import (
 from .plan_time_view import WHY_BEST, best_line, seconds, time_section
 
 MARK = {True: "fits", False: "OOM"}
+WORD = {FITS: MARK[True], TIGHT: MARK[True], OVER: MARK[False]}  # a verdict, as a cell says it
 ADVISED = "fits*"  # fits only under another allocator setting (the legend names it)
 
 
@@ -41,7 +47,8 @@ def _row_json(row: PlanRow) -> dict:
 
 def heatmap_data(report: PlanReport) -> dict:
     """What ``html_charts.plan_heatmap`` takes: each cell's needed bytes (reserved
-    peak + the memory beside the allocator), its verdict and its figures."""
+    peak + the memory beside the allocator), its share of the GPU, its verdict word,
+    its colour (``level``) and its figures."""
     return {
         "gpu_memory_bytes": report.gpu_memory_bytes,
         "cells": [
@@ -49,9 +56,10 @@ def heatmap_data(report: PlanReport) -> dict:
                 "world_size": r.world_size,
                 "micro_batch": r.micro_batch,
                 "checkpointing": r.checkpointing,
-                "peak_bytes": _shown(r)[0],
+                "peak_bytes": _shown(r)[0].needed,
+                "share": _shown(r)[0].share,
                 "verdict": _shown(r)[1],
-                "tight": _tight(r, report),
+                "level": _level(r),
                 "tip": _figures(r),
             }
             for r in report.rows
@@ -59,20 +67,18 @@ def heatmap_data(report: PlanReport) -> dict:
     }
 
 
-def _shown(row: PlanRow) -> tuple[int, str]:
-    """What a cell shows: its needed bytes (under the setting it fits with, if any)
-    and the terminal's verdict word."""
+def _shown(row: PlanRow) -> tuple[Fit, str]:
+    """What a cell shows: its fit (under the setting it fits with, if any) and the
+    terminal's verdict word."""
     if row.fits_with is not None:
-        return row.fits_with.needed_bytes, ADVISED
-    return row.needed_bytes, MARK[row.fits]
+        return row.fits_with.fit, ADVISED
+    return row.fit, WORD[row.fit.verdict]
 
 
-def _tight(row: PlanRow, report: PlanReport) -> bool:
-    """Fits, but inside the margin the best row keeps free."""
-    needed, word = _shown(row)
-    return word == MARK[True] and not keeps_margin(
-        needed, report.gpu_memory_bytes, report.margin_bytes
-    )
+def _level(row: PlanRow) -> str:
+    """A cell's colour: its verdict; a cell that fits only under another allocator
+    setting is amber, as one inside the margin is."""
+    return TIGHT if row.fits_with is not None else row.fit.verdict
 
 
 def _figures(r: PlanRow) -> str:
@@ -96,11 +102,14 @@ def _figures(r: PlanRow) -> str:
 
 def grid(report: PlanReport, checkpointing: str) -> tuple[list[str], list[list[str]]]:
     """One checkpointing choice: rows = world sizes, columns = micro-batches."""
-    at = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
+    at = {r.cell: r for r in report.rows}
     # "GPUs", the world size: a narrow first column leaves 80 columns room for four cells
     headers = ["GPUs", *(f"micro-batch {mb}" for mb in report.micro_batches)]
     body = [
-        [str(ws), *(_cell(at.get((ws, mb, checkpointing))) for mb in report.micro_batches)]
+        [
+            str(ws),
+            *(_cell(at.get(Cell.at(ws, mb, checkpointing))) for mb in report.micro_batches),
+        ]
         for ws in report.world_sizes
     ]
     return headers, body
@@ -110,8 +119,8 @@ def _cell(row: PlanRow | None) -> str:
     """What the GPU must hold, and the verdict (``cells`` has every figure)."""
     if row is None:
         return "-"
-    needed, word = _shown(row)
-    return f"{human_bytes(needed)} {word}"
+    shown, word = _shown(row)
+    return f"{human_bytes(shown.needed)} {word}"
 
 
 def answer(report: PlanReport) -> list[str]:
@@ -157,11 +166,11 @@ def _recommended(report: PlanReport) -> str:
     margin = human_bytes(report.margin_bytes)
     if b is None:
         return f"recommended: none, nothing in the grid keeps the margin of {margin} free"
-    needed = b.fits_with.needed_bytes if b.fits_with is not None else b.needed_bytes
+    shown = _shown(b)[0]
     head = (
         f"recommended: world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
-        f"{b.checkpointing}, needed {human_bytes(needed)} of {human_bytes(gpu)} "
-        f"({human_bytes(gpu - needed)} free)"
+        f"{b.checkpointing}, needed {human_bytes(shown.needed)} of {human_bytes(gpu)} "
+        f"({human_bytes(shown.free)} free)"
     )
     t = report.timing
     if t is None or b.time is None:
@@ -207,8 +216,7 @@ def summary_lines(report: PlanReport) -> list[str]:
 
 def _breakdown(b: PlanRow, report: PlanReport) -> str:
     """The row's figures and what stays free (under the advised setting, if any)."""
-    needed = b.fits_with.needed_bytes if b.fits_with is not None else b.needed_bytes
-    free = report.gpu_memory_bytes - needed
+    free = _shown(b)[0].free
     return (
         f"world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
         f"{b.checkpointing} ({b.micro_batch * b.seq_len} tokens per rank): {_figures(b)}; "
@@ -267,7 +275,7 @@ def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
             human_bytes(r.fragmentation_bytes),
             *(human_bytes(p.bytes) for p in r.outside),
             human_bytes(r.needed_bytes),
-            ADVISED if r.fits_with is not None else MARK[r.fits],
+            _shown(r)[1],
         ]
         for r in report.rows
     ]

@@ -10,8 +10,15 @@ from .formatting import Section, human_bytes, markdown_table, plain
 
 
 def payload(report: PlanReport) -> list[dict]:
-    """The ``schemes`` key of ``yafsdp.plan/1``: every field, in bytes."""
-    return [{**plain(s), "flat_saves_percent": s.flat_saves_percent} for s in report.schemes]
+    """The ``schemes`` key of ``yafsdp.plan/1``: every field, in bytes; the cell
+    compared at as ``[world size, micro-batch, checkpointing]``."""
+    out = []
+    for s in report.schemes:
+        doc = {**plain(s), "flat_saves_percent": s.flat_saves_percent}
+        at = s.compared_at
+        doc["compared_at"] = None if at is None else [at.world_size, *at.choice]
+        out.append(doc)
+    return out
 
 
 def side_by_side(report: PlanReport) -> Section:

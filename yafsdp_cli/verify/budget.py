@@ -42,7 +42,7 @@ from ..engine import dtypes
 from ..engine.layout import Layout
 from ..engine.train_step import output_tensor
 from ..memory.estimate import MemoryConfig, estimate_memory
-from ..memory.headroom import fits, process_sum
+from ..memory.headroom import fit, process_sum
 
 ACTIVATION_FACTOR = 2
 TEMPORARY_FACTOR = 3
@@ -99,7 +99,7 @@ class Budget:
 
     @property
     def fits(self) -> bool:
-        return fits(self.estimate.total, 0, self.available.bytes)
+        return fit(self.estimate.total, 0, self.available.bytes, 0).fits
 
 
 # -- what is available -------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""A plan's cell: the grid's key, ordered as the rows are read, and carried whole."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import pytest
+
+from yafsdp_cli.errors import YafsdpError
+from yafsdp_cli.mesh import Mesh
+from yafsdp_cli.planning.cell import Cell, grid
+from yafsdp_cli.planning.plan_report import PlanBreakdown, PlanRow
+
+CHOICES = ("none", "non-reentrant", "reentrant")
+
+
+def test_cells_sort_as_world_size_then_micro_batch_then_checkpointing():
+    triples = list(itertools.product((16, 1, 2, 8), (4, 1, 2), CHOICES))
+    cells = [Cell.at(*t) for t in reversed(triples)]
+    assert [(c.world_size, *c.choice) for c in sorted(cells)] == sorted(triples)
+    assert Cell.at(2, 8, "none") < Cell.at(4, 1, "none") <= Cell.at(4, 1, "none")
+    assert Cell.at(4, 2, "reentrant") > Cell.at(4, 2, "none") >= Cell.at(4, 2, "none")
+
+
+def test_a_cells_mesh_orders_it_last_within_one_world_size():
+    hsdp = Cell(Mesh(dp_replicate=2, dp_shard=2), 1, "none")
+    flat = Cell(Mesh.data_parallel(4), 1, "none")
+    assert sorted([hsdp, flat]) == [flat, hsdp]  # dp_replicate 1 before 2
+    assert Cell(Mesh.data_parallel(2), 8, "none") < hsdp
+
+
+def test_a_cell_is_a_key_and_crosses_a_process_by_value():
+    cell = Cell.at(8, 2, "non-reentrant")
+    assert {cell: "x"}[Cell(Mesh(dp_shard=8), 2, "non-reentrant")] == "x"
+    back = pickle.loads(pickle.dumps(cell))
+    assert back == cell and hash(back) == hash(cell) and back.mesh.dp_shard == 8
+    with pytest.raises(AttributeError):
+        cell.micro_batch = 4  # type: ignore[misc]
+
+
+def test_the_grid_lists_cells_as_a_plan_lists_its_rows():
+    cells = grid(map(Mesh.data_parallel, (1, 2)), (1, 4), ("none", "reentrant"))
+    assert [(c.world_size, *c.choice) for c in cells] == [
+        (1, 1, "none"), (1, 4, "none"), (1, 1, "reentrant"), (1, 4, "reentrant"),
+        (2, 1, "none"), (2, 4, "none"), (2, 1, "reentrant"), (2, 4, "reentrant"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "mesh", [Mesh(dp_replicate=2, dp_shard=2), Mesh(dp_shard=2, tp=2), Mesh(pp=2), Mesh(cp=2)]
+)
+def test_a_mesh_beyond_data_parallelism_is_refused_where_cells_are_made(mesh):
+    with pytest.raises(YafsdpError, match=f"data parallelism alone.*{mesh.label}"):
+        grid([Mesh.data_parallel(2), mesh], (1,), ("none",))
+
+
+def test_a_row_gives_its_cell():
+    zero = PlanBreakdown(*[0] * 9)
+    row = PlanRow(4, 2, 64, "reentrant", 1, 1, zero, "backward", True, True, 1, 0, (), True, None)
+    assert row.cell == Cell.at(4, 2, "reentrant")
