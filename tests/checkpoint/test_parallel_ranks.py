@@ -45,9 +45,8 @@ def test_side_by_side_writes_the_bytes_one_writer_writes(tmp_path, monkeypatch, 
     assert files_of(resharded) == files_of(resharded_alone)
 
 
-def test_the_side_by_side_path_is_the_one_taken(tmp_path, monkeypatch):
-    """Two writer threads on a safetensors source; a streamed ``.pt`` source keeps
-    the one-writer path."""
+def spy_writers(monkeypatch) -> list[int]:
+    """The writer-thread counts of every side-by-side write, as they happen."""
     threads: list[int] = []
     real = parallel_ranks.write_side_by_side
 
@@ -56,6 +55,13 @@ def test_the_side_by_side_path_is_the_one_taken(tmp_path, monkeypatch):
         return real(writers, contents, copier, tick, n)
 
     monkeypatch.setattr(flat_writer, "write_side_by_side", spy)
+    return threads
+
+
+def test_the_side_by_side_path_is_the_one_taken(tmp_path, monkeypatch):
+    """Two writer threads on a safetensors source; a streamed ``.pt`` source keeps
+    the one-writer path."""
+    threads = spy_writers(monkeypatch)
     writers(monkeypatch, 2)
     convert_checkpoint(
         sample("gpt.safetensors"), tmp_path / "a", LayoutOptions(world_size=4), sharded=True
@@ -75,14 +81,7 @@ def test_writer_threads_forces_the_count_whatever_the_machine(tmp_path, monkeypa
     """``writer_threads=1`` writes the rank files one after another (what
     ``benchmarks/bench_two_writers.py`` sets two writers against), ``2`` side by side,
     with the same bytes."""
-    threads: list[int] = []
-    real = parallel_ranks.write_side_by_side
-
-    def spy(writers, contents, copier, tick, n):
-        threads.append(n)
-        return real(writers, contents, copier, tick, n)
-
-    monkeypatch.setattr(flat_writer, "write_side_by_side", spy)
+    threads = spy_writers(monkeypatch)
     writers(monkeypatch, 1)
     src, layout = sample("gpt.safetensors"), LayoutOptions(world_size=4)
     convert_checkpoint(src, tmp_path / "two", layout, sharded=True, writer_threads=2)

@@ -13,9 +13,10 @@ from importlib import resources
 
 import jsonschema
 import pytest
+from scheme_cases import spec
 from typer.testing import CliRunner
 
-from yafsdp_cli import ModelSpec, TensorRecord, plan
+from yafsdp_cli import plan
 from yafsdp_cli.cli import app
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.memory import MemoryConfig, estimate_memory
@@ -38,20 +39,8 @@ SCHEMA = json.loads(resources.files("yafsdp_cli").joinpath("schemas/plan.schema.
 MIB = 2**20
 
 
-def _spec(blocks: int = 3, hidden: int = 512) -> ModelSpec:
-    """Blocks of two (hidden, hidden) weights and a small norm, a root embedding."""
-    tensors = [TensorRecord("embed.weight", (4 * hidden, hidden), "bfloat16")]
-    for i in range(blocks):
-        for name in ("a", "b"):
-            tensors.append(TensorRecord(f"layers.{i}.{name}.weight", (hidden, hidden), "bfloat16"))
-        tensors.append(TensorRecord(f"layers.{i}.norm.weight", (hidden,), "bfloat16"))
-    units = tuple(f"layers.{i}" for i in range(blocks))
-    modules = ("embed", "layers", *units)
-    return ModelSpec(tuple(tensors), has_architecture=False, units=units, module_names=modules)
-
-
 def _memory(scheme: str, ws: int, settings=None, cfg=None):
-    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    layout = plan(spec(), world_size=ws, units=("layers.*",))
     return scheme_memory(by_name(scheme), layout, cfg or MemoryConfig(round_bytes=1), settings)
 
 
@@ -73,7 +62,7 @@ def test_nothing_communicates_at_world_size_1():
 
 
 def test_ddp_buckets_are_a_second_copy_of_every_gradient():
-    layout = plan(_spec(), world_size=2, units=("layers.*",))
+    layout = plan(spec(), world_size=2, units=("layers.*",))
     cfg = MemoryConfig(round_bytes=1)
     converted, kept, _ = tensors_of_layout(layout)
     grads = whole_bytes(converted + kept, cfg)["grads"]
@@ -112,7 +101,7 @@ def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
     assert z3.gather == every * 2 < zero.max_reuse_distance
     # above it: the largest unit and as much of the next as the prefetch bucket allows,
     # or the last max_reuse_distance elements, whichever is more
-    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    layout = plan(spec(), world_size=ws, units=("layers.*",))
     cfg = MemoryConfig(round_bytes=1)
     for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
         small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)
