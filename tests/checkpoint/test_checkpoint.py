@@ -25,6 +25,7 @@ from yafsdp_cli.checkpoint import (
     reshard_checkpoint,
     restore_checkpoint,
 )
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 
 SAFETENSORS = ("mlp", "cnn", "gpt", "llama", "moe")
@@ -118,11 +119,7 @@ def test_llama_mixed_dtypes_filters_units(tmp_path, filters, excludes, units, al
     )
     expected = plan(
         load_source(src).spec,
-        filters=filters,
-        excludes=excludes,
-        units=units,
-        world_size=3,
-        align=align,
+        LayoutOptions(filters=filters, excludes=excludes, units=units, world_size=3, align=align),
     )
     assert open_flat(flat).layout == expected
     assert {b.dtype for b in expected.buffers} >= ({"bfloat16"} if filters else {"float32"})
@@ -168,9 +165,9 @@ def _tree_bytes(path) -> dict:
 def test_relayout_equals_planning_for_the_new_world_size():
     spec = load_source(sample("gpt.safetensors")).spec
     for align in ("yafsdp", "fsdp", "megatron", "none", "64"):
-        layout = plan(spec, world_size=4, align=align)
+        layout = plan(spec, LayoutOptions(world_size=4, align=align))
         for m in (1, 3, 16):
-            assert relayout(layout, m) == plan(spec, world_size=m, align=align)
+            assert relayout(layout, m) == plan(spec, LayoutOptions(world_size=m, align=align))
 
 
 def test_flat_file_reads_with_plain_safetensors(tmp_path):

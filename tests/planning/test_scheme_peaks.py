@@ -32,6 +32,7 @@ from yafsdp_cli.memory.step_schemes import (
     phase_peak,
     scheme_memory,
 )
+from yafsdp_cli.options import LayoutOptions
 
 runner = CliRunner()
 SCHEMA = json.loads(resources.files("yafsdp_cli").joinpath("schemas/plan.schema.json").read_text())
@@ -51,7 +52,7 @@ def _spec(blocks: int = 3, hidden: int = 512) -> ModelSpec:
 
 
 def _memory(scheme: str, ws: int, settings=None, cfg=None):
-    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    layout = plan(_spec(), LayoutOptions(world_size=ws, units=("layers.*",)))
     return scheme_memory(scheme, layout, cfg or MemoryConfig(round_bytes=1), settings)
 
 
@@ -73,7 +74,7 @@ def test_nothing_communicates_at_world_size_1():
 
 
 def test_ddp_buckets_are_a_second_copy_of_every_gradient():
-    layout = plan(_spec(), world_size=2, units=("layers.*",))
+    layout = plan(_spec(), LayoutOptions(world_size=2, units=("layers.*",)))
     cfg = MemoryConfig(round_bytes=1)
     converted, kept, _ = tensors_of_layout(layout)
     grads = whole_bytes(converted + kept, cfg)["grads"]
@@ -112,7 +113,7 @@ def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
     assert z3.gather == every * 2 < zero.max_reuse_distance
     # above it: the largest unit and as much of the next as the prefetch bucket allows,
     # or the last max_reuse_distance elements, whichever is more
-    layout = plan(_spec(), world_size=ws, units=("layers.*",))
+    layout = plan(_spec(), LayoutOptions(world_size=ws, units=("layers.*",)))
     cfg = MemoryConfig(round_bytes=1)
     for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
         small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)

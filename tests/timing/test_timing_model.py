@@ -8,12 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import run_gpu_bench_without_gpu
+from helpers import options, run_gpu_bench_without_gpu
 
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.memory import MemoryConfig
 from yafsdp_cli.memory.fsdp2 import place
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.timing import (
     GPUS,
@@ -145,7 +146,7 @@ def llama_spec():
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_flat_scheme_bytes_follow_the_layout_exactly(llama_spec, n):
-    layout = plan(llama_spec, world_size=n)
+    layout = plan(llama_spec, LayoutOptions(world_size=n))
     want = 0
     for b in layout.buffers:
         shard = b.shard_numel * b.nbytes // b.padded_numel  # bytes of one shard
@@ -161,7 +162,7 @@ def test_flat_scheme_bytes_follow_the_layout_exactly(llama_spec, n):
 
 def test_fsdp2_and_ddp_bytes_follow_the_layout_exactly(llama_spec):
     n = 4
-    layout = plan(llama_spec, world_size=n)
+    layout = plan(llama_spec, LayoutOptions(world_size=n))
     cfg = MemoryConfig(grad_dtype="float32")
     want = 0
     for p in place(layout, cfg):
@@ -174,12 +175,12 @@ def test_fsdp2_and_ddp_bytes_follow_the_layout_exactly(llama_spec):
     assert {c.kind for c in ddp} == {"all_reduce"}
     assert sum(c.bytes for c in ddp) == grads
     assert sent_bytes(ddp) == sum(2 * (n - 1) * -(-c.bytes // n) for c in ddp)
-    assert collectives(plan(llama_spec, world_size=1), "yafsdp") == ()
+    assert collectives(plan(llama_spec, LayoutOptions(world_size=1)), "yafsdp") == ()
 
 
 def test_an_unknown_scheme(llama_spec):
     with pytest.raises(YafsdpError, match="scheme 'zero4' is not one of yafsdp|fsdp2|ddp"):
-        collectives(plan(llama_spec, world_size=2), "zero4")
+        collectives(plan(llama_spec, LayoutOptions(world_size=2)), "zero4")
 
 
 def test_ring_time_on_the_node_and_beyond():
@@ -251,9 +252,11 @@ def test_a_step_estimate_adds_up(llama_spec):
     from yafsdp_cli.timing import count_step, estimate_step
 
     loaded = load_source(None, model="sample_models.models:llama")
-    costs = count_step(loaded, ProfileOptions(fake=True, target="cuda", batch=2, seq_len=64))
+    costs = count_step(
+        loaded, options(ProfileOptions, fake=True, target="cuda", batch=2, seq_len=64)
+    )
     gpu = gpu_spec("H100-SXM")
-    one = estimate_step(costs, plan(llama_spec, world_size=1), gpu)
+    one = estimate_step(costs, plan(llama_spec, LayoutOptions(world_size=1)), gpu)
     assert one.comm_s == one.exposed_comm_s == one.sent_bytes == 0
     assert one.step_s == pytest.approx(one.forward_s + one.backward_s + one.optimizer_s)
     assert one.tokens_per_s == pytest.approx(128 / one.step_s)
@@ -261,7 +264,9 @@ def test_a_step_estimate_adds_up(llama_spec):
         costs.model_flops / (gpu.bf16_flops * one.step_s)
     )  # bf16 products
     for scheme in ("yafsdp", "fsdp2", "ddp"):
-        est = estimate_step(costs, plan(llama_spec, world_size=4), gpu, scheme=scheme)
+        est = estimate_step(
+            costs, plan(llama_spec, LayoutOptions(world_size=4)), gpu, scheme=scheme
+        )
         assert 0 < est.exposed_comm_s <= est.comm_s
         assert est.step_s == pytest.approx(
             est.forward_s + est.backward_s + est.exposed_comm_s + est.optimizer_s

@@ -25,6 +25,7 @@ from ..engine import dtypes
 from ..engine.layout import BufferLayout, Layout
 from ..engine.plan import plan
 from ..errors import CheckpointError, SourceError
+from ..options import LayoutOptions
 from ..sources import LoadedModel, load_source
 from .file_ranges import Copier, FileRange
 from .flat_writer import stored_kept, write_flat, zeros
@@ -68,11 +69,13 @@ def convert_checkpoint(
     refuse_flat_source(loaded)
     layout = plan(
         loaded.spec,
-        filters=list(filters or ()),
-        excludes=list(excludes or ()),
-        units=list(units) if units else None,
-        world_size=world_size,
-        align=align,
+        LayoutOptions(
+            filters=tuple(filters or ()),
+            excludes=tuple(excludes or ()),
+            units=tuple(units) if units else None,
+            world_size=world_size,
+            align=align,
+        ),
     )
     selection = {
         "filters": tuple(filters or ()),

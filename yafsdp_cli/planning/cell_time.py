@@ -42,7 +42,6 @@ from ..timing import (
     estimate_step,
     gpu_spec,
 )
-from ..timing.gpu_profile import load_profile
 from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
 from .plan_options import PlanOptions
@@ -64,9 +63,8 @@ class TimingSetup:
 def timing_setup(opts: PlanOptions) -> TimingSetup | None:
     """The GPU that ``opts`` names (``gpu`` from the table, or ``gpu_profile``, a JSON
     file with its own efficiencies); None where it names none."""
-    if opts.gpu_profile is not None:
-        profile = load_profile(opts.gpu_profile)
-        gpu, eff = profile.gpu, profile.efficiency
+    if opts.profile is not None:  # read once, with the options
+        gpu, eff = opts.profile.gpu, opts.profile.efficiency
     elif opts.gpu is not None:
         gpu, eff = gpu_spec(opts.gpu), Efficiency()
     else:
@@ -80,17 +78,11 @@ def count_cell(loaded, opts: PlanOptions, seq_len: int, key: Key) -> StepCosts:
     the world size is not used (a rank's kernels do not depend on it)."""
     _, micro_batch, checkpointing = key
     step = ProfileOptions(
-        optimizer=opts.optimizer,
-        optimizer_impl=opts.optimizer_impl,
-        units=opts.units,
-        batch=micro_batch,
-        seq_len=seq_len,
-        seed=opts.seed,
+        layout=opts.layout,  # its units: what the checkpointing wraps
+        step=dataclasses.replace(
+            opts.step, batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing
+        ),
         fake=True,
-        param_dtype=opts.param_dtype,
-        grad_dtype=opts.grad_dtype,
-        checkpointing=checkpointing,
-        target=opts.target,
     )
     return count_step(loaded, step)
 
@@ -138,19 +130,12 @@ class CellTimer:
         self.loaded, self.opts, self.seq_len, self.setup = loaded, opts, seq_len, setup
         self.origin: Origin | None = origin
         self.counts: dict[Key, StepCosts] = {}
-        spec = retype_params(loaded.spec, opts.param_dtype)
+        spec = retype_params(loaded.spec, opts.step.param_dtype)
         cfg = opts.memory_config()
 
         @cache
         def layout(world_size: int):
-            return plan(
-                spec,
-                filters=opts.filters,
-                excludes=opts.excludes,
-                units=opts.units,
-                world_size=world_size,
-                align=opts.align,
-            )
+            return plan(spec, dataclasses.replace(opts.layout, world_size=world_size))
 
         self.layout, self.cfg = layout, cfg
 
@@ -250,7 +235,9 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
     objective, and what the cells were timed on."""
     objective = opts.objective or DEFAULT_OBJECTIVE
     # the best row keeps the margin free, as the untimed plan's does
-    candidates = {id(r) for r in keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)}
+    candidates = {
+        id(r) for r in keeping_margin(rows, opts.memory.gpu_memory, opts.memory.margin_bytes)
+    }
     kept = [r if id(r) in candidates else dataclasses.replace(r, fits=False) for r in rows]
     chosen = best_timed(kept, objective, opts.tokens)
     best, gpu_h, wall_h = chosen if chosen else (None, None, None)

@@ -163,7 +163,7 @@ class _RowMaker:
         needed = reserved + self.fit.outside(ws).total
         return SchemeRow(
             scheme, ws, mb, ck, peak, reserved, needed, m.persistent, m.gather, m.reduce,
-            act, peak - m.total - act, phase, needed <= self.opts.gpu_memory,
+            act, peak - m.total - act, phase, needed <= self.opts.memory.gpu_memory,
         )  # fmt: skip
 
     def _steps(self, line: PhaseLine, mb: int, ws: int) -> dict[str, StepAt]:
@@ -280,15 +280,12 @@ def _between(at: dict[int, float], x: int) -> float:
 
 
 def _scheme_memory(loaded, opts: PlanOptions):
-    spec = retype_params(loaded.spec, opts.param_dtype)
+    spec = retype_params(loaded.spec, opts.step.param_dtype)
     cfg = opts.memory_config()
 
     @cache
     def layout_and_report(ws: int):
-        layout = plan(
-            spec, filters=opts.filters, excludes=opts.excludes, units=opts.units,
-            world_size=ws, align=opts.align,
-        )  # fmt: skip
+        layout = plan(spec, dataclasses.replace(opts.layout, world_size=ws))
         return layout, estimate_memory(layout, cfg)
 
     @cache
@@ -302,7 +299,7 @@ def _scheme_memory(loaded, opts: PlanOptions):
 def _best(rows, opts: PlanOptions) -> SchemeRow | None:
     """As the plan's best: of the cells that fit keeping the margin free, most tokens
     per rank, then no recomputation, then fewest GPUs."""
-    fitting = keeping_margin(rows, opts.gpu_memory, opts.memory.margin_bytes)
+    fitting = keeping_margin(rows, opts.memory.gpu_memory, opts.memory.margin_bytes)
     if not fitting:
         return None
     return min(fitting, key=lambda r: (-r.micro_batch, r.checkpointing != "none", r.world_size))
