@@ -167,8 +167,8 @@ def test_timing_options_are_checked_before_any_run(given, message):
 
 
 def test_given_gpu_memory_wins_over_the_gpus():
-    assert options(PlanOptions, gpu="h200", gpu_memory=2**36).gpu_memory == 2**36
-    assert options(PlanOptions, gpu="H200").gpu_memory == gpu_spec("h200").memory_bytes
+    assert options(PlanOptions, gpu="h200", gpu_memory=2**36).memory.gpu_memory == 2**36
+    assert options(PlanOptions, gpu="H200").memory.gpu_memory == gpu_spec("h200").memory_bytes
 
 
 # -- the command line ----------------------------------------------------------------------
