@@ -12,6 +12,7 @@ python -m benchmarks.run plan_reserved
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -38,29 +39,35 @@ def write_shape(folder: Path, hidden: int, layers: int, tokens: int) -> Path:
 def carried_errors(folder: Path, tokens: int) -> list[float]:
     """(carried - direct) / direct for every cell the plan carries."""
     from yafsdp_cli.memory import reserved_of
+    from yafsdp_cli.options import LayoutOptions, MemoryOptions
     from yafsdp_cli.planning import PlanOptions, plan_model
+    from yafsdp_cli.planning.plan_options import PLAN_MEMORY, PLAN_STEP
     from yafsdp_cli.profiling import ProfileOptions
     from yafsdp_cli.profiling.profiler import profile_converted
     from yafsdp_cli.sources import load_source
 
     loaded = load_source(folder)
-    grid = dict(world_sizes=(1, 2, 4, 8), micro_batches=(1, 2, 4, 8), seq_len=tokens)
-    opts = PlanOptions(gpu_memory=1 << 40, reserve=0, margin=0, alloc_conf="", jobs=1, **grid)
+    opts = PlanOptions(
+        step=dataclasses.replace(PLAN_STEP, seq_len=tokens),
+        memory=dataclasses.replace(
+            PLAN_MEMORY, gpu_memory=1 << 40, reserve=0, margin=0, alloc_conf=""
+        ),
+        world_sizes=(1, 2, 4, 8),
+        micro_batches=(1, 2, 4, 8),
+        jobs=1,
+    )
     errors = []
     for row in plan_model(loaded, opts).rows:
         if row.reserved_replayed:
             continue
         traces: dict = {}
         step = ProfileOptions(
-            world_size=row.world_size,
-            batch=row.micro_batch,
-            seq_len=tokens,
+            layout=LayoutOptions(world_size=row.world_size),
+            step=dataclasses.replace(
+                opts.step, batch=row.micro_batch, checkpointing=row.checkpointing
+            ),
+            memory=MemoryOptions(round_bytes=opts.memory.round_bytes),
             fake=True,
-            target="cuda",
-            param_dtype=opts.param_dtype,
-            checkpointing=row.checkpointing,
-            round_bytes=opts.round_bytes,
-            optimizer_impl=opts.optimizer_impl,
         )
         profile_converted(loaded, step, traces=traces)
         direct = reserved_of(traces["converted"], "").reserved_peak

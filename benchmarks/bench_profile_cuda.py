@@ -10,6 +10,7 @@ python -m benchmarks.run profile_cuda
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def main() -> bool:
     if not torch.cuda.is_available():
         print("  no CUDA device here: nothing to compare (run it where one is)")
         return True
+    from yafsdp_cli.options import StepOptions
     from yafsdp_cli.profiling import ProfileOptions, profile_model
     from yafsdp_cli.sources import load_source
 
@@ -48,9 +50,12 @@ def main() -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             path = write_folder(Path(tmp), name)
-            kw = dict(batch=1, seq_len=2048)
-            fake = profile_model(load_source(path), ProfileOptions(fake=True, target="cuda", **kw))
-            real = profile_model(load_source(path), ProfileOptions(device="cuda", **kw))
+            step = StepOptions(batch=1, seq_len=2048)
+            on = dataclasses.replace(step, target="cuda")
+            fake = profile_model(load_source(path), ProfileOptions(step=on, fake=True))
+            real = profile_model(
+                load_source(path), ProfileOptions(step=dataclasses.replace(step, device="cuda"))
+            )
             for f, r in (
                 (fake.original, real.original),
                 (fake.converted_step, real.converted_step),

@@ -126,10 +126,11 @@ def write_folder(case: Case, root: Path) -> Path:
 
 
 def options(case: Case, fake: bool):
+    from yafsdp_cli.options import StepOptions
     from yafsdp_cli.profiling import ProfileOptions
 
-    where = dict(fake=True, target="cuda") if fake else dict(device="cuda")
-    return ProfileOptions(
+    where = dict(target="cuda") if fake else dict(device="cuda")
+    step = StepOptions(
         batch=case.batch,
         seq_len=case.seq_len,
         checkpointing=case.checkpointing,
@@ -137,6 +138,7 @@ def options(case: Case, fake: bool):
         optimizer_impl="foreach",
         **where,
     )
+    return ProfileOptions(step=step, fake=fake)
 
 
 def predict(case: Case, path: Path) -> dict[str, dict]:

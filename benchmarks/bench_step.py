@@ -100,6 +100,7 @@ def paired_times(impl: str, pairs: int = PAIRS) -> tuple[float, float, float]:
 
 def peaks(impl: str, units) -> tuple[int, int]:
     from yafsdp_cli.engine.records import ModelSpec
+    from yafsdp_cli.options import LayoutOptions, StepOptions
     from yafsdp_cli.profiling import ProfileOptions, profile_model
     from yafsdp_cli.sources import LoadedModel
 
@@ -109,7 +110,8 @@ def peaks(impl: str, units) -> tuple[int, int]:
 
     loaded = _Loaded(spec=ModelSpec((), has_architecture=True, source="bench llama 100M"))
     opts = ProfileOptions(
-        optimizer="adamw", optimizer_impl=impl, batch=BATCH, seq_len=SEQ, units=units
+        layout=LayoutOptions(units=units),
+        step=StepOptions(optimizer="adamw", optimizer_impl=impl, batch=BATCH, seq_len=SEQ),
     )
     r = profile_model(loaded, opts)
     return r.original.peak.total, r.converted_step.peak.total

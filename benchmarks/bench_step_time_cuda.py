@@ -74,17 +74,20 @@ def gpu_row(name: str) -> str:
 def predict(case: Case, gpu_name: str) -> dict:
     from yafsdp_cli.engine.module_spec import spec_from_module
     from yafsdp_cli.engine.plan import plan
+    from yafsdp_cli.options import StepOptions
     from yafsdp_cli.profiling import ProfileOptions
     from yafsdp_cli.timing import count_step, estimate_step, gpu_spec
 
     model = build("meta")
     opts = ProfileOptions(
+        step=StepOptions(
+            target="cuda",
+            batch=case.batch,
+            seq_len=case.seq_len,
+            optimizer_impl="fused",
+            checkpointing=case.checkpointing,
+        ),
         fake=True,
-        target="cuda",
-        batch=case.batch,
-        seq_len=case.seq_len,
-        optimizer_impl="fused",
-        checkpointing=case.checkpointing,
     )
     costs = count_step(model, opts)
     est = estimate_step(costs, plan(spec_from_module(model)), gpu_spec(gpu_row(gpu_name)))

@@ -36,9 +36,15 @@ SERIES = [
 LOOP = """
 import json, sys
 import torch
+from dataclasses import replace
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.verify import VerifyOptions, verify_source
 folder, runs, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-opts = VerifyOptions(filters=("linear",), optimizer="sgd", world_size=world)
+base = VerifyOptions()
+opts = VerifyOptions(
+    layout=LayoutOptions(filters=("linear",), world_size=world),
+    step=replace(base.step, optimizer="sgd"),
+)
 verdicts = []
 for _ in range(runs):
     r = verify_source(folder, opts=opts)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
+from helpers import options
 
 
 def gloo_threads() -> int:
@@ -27,7 +28,7 @@ def worker(rank: int, tmp: str) -> None:
     _init(rank, 2, f"file://{tmp}/store", "cpu")
     # --model builds the architecture on the meta device, which imports dynamo
     src = load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")
-    report = verify_this_rank(src, VerifyOptions(world_size=2, steps=1))
+    report = verify_this_rank(src, options(VerifyOptions, world_size=2, steps=1))
     dist.barrier()
     during = gloo_threads()
     leave_group()

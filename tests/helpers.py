@@ -10,6 +10,7 @@ from torch import nn
 from sample_models.models import FACTORIES
 from yafsdp_cli import convert_module, plan, spec_from_module
 from yafsdp_cli.engine.inputs import make_input, projection_loss
+from yafsdp_cli.options import LayoutOptions
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -73,7 +74,7 @@ def make_optimizer(kind, params):
 def convert_copy(model: nn.Module, **plan_kwargs):
     """A converted deep copy of ``model`` and its FlatModel handle."""
     twin = copy.deepcopy(model)
-    flat = convert_module(twin, plan(spec_from_module(twin), **plan_kwargs))
+    flat = convert_module(twin, plan(spec_from_module(twin), LayoutOptions(**plan_kwargs)))
     return twin, flat
 
 
@@ -112,3 +113,32 @@ def run_gpu_bench_without_gpu(module: str, out) -> tuple[str, dict]:
     assert done.returncode == 0, done.stderr
     assert "no CUDA device" in done.stdout
     return done.stdout, json.loads(Path(out).read_text())
+
+
+def options(cls, **given):
+    """``cls`` (a command's options) with ``given`` by field name: the command's own
+    fields as they are, a piece's fields into that piece of ``cls()``'s defaults (read
+    from the pieces' dataclass fields; the command's own field of a name wins). A
+    shorthand for tests: the library and the command line build the pieces whole."""
+    import dataclasses
+
+    own = {f.name for f in dataclasses.fields(cls)}
+    pieces = [n for n in ("layout", "step", "memory") if n in own]
+    if cls.__name__ == "PlanOptions":  # it needs a GPU's memory to be made at all
+        from yafsdp_cli.planning.plan_options import PLAN_MEMORY, PLAN_STEP
+
+        bases = {"layout": None, "step": PLAN_STEP, "memory": PLAN_MEMORY}
+    else:
+        bases = {n: getattr(cls(), n) for n in pieces}
+    out = {k: v for k, v in given.items() if k in own}
+    for name in pieces:
+        base = out.get(name) or bases[name]
+        if base is None:
+            base = LayoutOptions()
+        names = {f.name for f in dataclasses.fields(base)} - own
+        mine = {k: v for k, v in given.items() if k in names}
+        out[name] = dataclasses.replace(base, **mine)
+    unknown = set(given) - own - {f.name for n in pieces for f in dataclasses.fields(out[n])}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no option {', '.join(sorted(unknown))}")
+    return cls(**out)

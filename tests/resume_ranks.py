@@ -37,6 +37,7 @@ from yafsdp_cli.checkpoint.flat_training import FIELDS, MASTER, flat_adamw, step
 from yafsdp_cli.checkpoint.optim_state import SEP
 from yafsdp_cli.checkpoint.sharded_training import save_sharded_training, sharded_adamw
 from yafsdp_cli.engine.sharded import DistComm, ShardedFlat, fold
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.verify.numerics import apply, pinned
 
 GLOBAL_BATCH = 12  # rows per step: divisible by 4, 3, 2 and 1 ranks
@@ -89,7 +90,7 @@ def run_leg(rank: int, leg: Leg) -> list[torch.Tensor]:
     """This rank's part of ``leg``; its loss at every step."""
     model = seeded_model(leg.masters)
     if leg.ckpt is None:
-        layout = plan(spec_from_module(model), world_size=leg.world)
+        layout = plan(spec_from_module(model), LayoutOptions(world_size=leg.world))
     else:
         layout = open_flat(leg.ckpt).layout
     sharded = ShardedFlat(convert_module(model, layout), DistComm())
@@ -164,7 +165,9 @@ def reference(worlds: list[int], save_after: tuple[int, ...], masters=False) -> 
     the buffers and AdamW state after each step in ``save_after``."""
     with pinned(1):
         model = seeded_model(masters)
-        flat = convert_module(model, plan(spec_from_module(model), world_size=worlds[0]))
+        flat = convert_module(
+            model, plan(spec_from_module(model), LayoutOptions(world_size=worlds[0]))
+        )
         opt = flat_adamw(flat, masters=masters, **HYPER)
         ref = Reference([], {}, {})
         for step, world in enumerate(worlds):

@@ -5,7 +5,7 @@ size 4, per ``reshard_after_forward``. A scheme object must keep giving them."""
 
 from __future__ import annotations
 
-from yafsdp_cli import ModelSpec, TensorRecord, plan
+from yafsdp_cli import LayoutOptions, ModelSpec, TensorRecord, plan
 from yafsdp_cli.memory import MemoryConfig
 from yafsdp_cli.memory.step_schemes import SchemeSettings, StepAt, scheme_memory
 
@@ -50,7 +50,7 @@ def spec(blocks: int = 3, hidden: int = 512) -> ModelSpec:
 def figures(scheme, ws: int = WS, reshard: bool = True) -> tuple[tuple, tuple]:
     """``scheme``'s parts and per-phase peaks, in ``TODAY``'s shape."""
     settings = SchemeSettings(reshard_after_forward=reshard)
-    layout = plan(spec(), world_size=ws, units=("layers.*",))
+    layout = plan(spec(), LayoutOptions(world_size=ws, units=("layers.*",)))
     m = scheme_memory(scheme, layout, MemoryConfig(round_bytes=1), settings)
     parts = (m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce)
     return parts, tuple(scheme.phase_peak(p, m, STEP, ws, settings) for p in PHASES)

@@ -44,9 +44,9 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
     run_original, notes = with_idioms(original, prep.layout, opts)
     run_twin, _ = with_idioms(twin, prep.layout, opts)
     flat = convert_module(twin, prep.layout)
-    rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
-    ref_opt = make_optimizer(opts.optimizer, original.parameters())
-    opt = make_optimizer(opts.optimizer, flat.parameters())
+    rec = Recorder(resolve_tolerances(opts.step.device, opts.atol, opts.rtol))
+    ref_opt = make_optimizer(opts.step.optimizer, original.parameters())
+    opt = make_optimizer(opts.step.optimizer, flat.parameters())
     memory, drift = None, []
     for step in range(opts.steps):
         for m in range(opts.micro_batches):
@@ -76,8 +76,8 @@ def run_single(prep: Prepared, opts: VerifyOptions) -> VerifyReport:
 
 def _single_memory(flat: FlatModel, opt, layout: Layout, opts: VerifyOptions) -> RankMemory:
     params = flat.parameters()
-    r = allocation_rounding(opts.device)
+    r = allocation_rounding(opts.step.device)
     grads = [p.grad for p in params]
     groups = (params, grads, optimizer_tensors(opt), list(flat.module.buffers()))
     held = held_bytes(groups, r)
-    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(flat.kept_parameters()))
+    return rank_memory(0, held, layout, opts.step.optimizer, r, unused_kept(flat.kept_parameters()))

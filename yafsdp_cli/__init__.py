@@ -4,9 +4,9 @@ The public API is small; importing this package does not import torch, so a layo
 or memory report from a safetensors header costs no torch start-up. Names that need
 torch (``convert_module``, ``spec_from_module``...) load it on first use.
 
->>> from yafsdp_cli import ModelSpec, TensorRecord, plan
+>>> from yafsdp_cli import LayoutOptions, ModelSpec, TensorRecord, plan
 >>> spec = ModelSpec((TensorRecord("w", (8, 8), "bfloat16"),), has_architecture=False)
->>> plan(spec, world_size=2).buffers[0].name
+>>> plan(spec, LayoutOptions(world_size=2)).buffers[0].name
 '__flat__.bfloat16'
 """
 
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 # ``plan``, whose filters a command that only copies bytes never uses.
 _LAZY = {
     "plan": "engine.plan",
+    "LayoutOptions": "options.pieces",
     "convert_module": "engine.flat",
     "FlatModel": "engine.flat",
     "spec_from_module": "engine.module_spec",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .engine.flat import FlatModel, convert_module
     from .engine.module_spec import spec_from_module
     from .engine.plan import plan
+    from .options.pieces import LayoutOptions
 
 
 def __getattr__(name: str):
@@ -57,6 +59,7 @@ __all__ = [
     "FlatEntry",
     "Layout",
     "LayoutError",
+    "LayoutOptions",
     "ModelSpec",
     "ShardPiece",
     "SourceError",

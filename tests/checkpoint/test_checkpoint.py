@@ -126,11 +126,7 @@ def test_llama_mixed_dtypes_filters_units(tmp_path, filters, excludes, units, al
     )
     expected = plan(
         load_source(src).spec,
-        filters=filters,
-        excludes=excludes,
-        units=units,
-        world_size=3,
-        align=align,
+        LayoutOptions(filters=filters, excludes=excludes, units=units, world_size=3, align=align),
     )
     assert open_flat(flat).layout == expected
     assert {b.dtype for b in expected.buffers} >= ({"bfloat16"} if filters else {"float32"})
@@ -176,9 +172,9 @@ def _tree_bytes(path) -> dict:
 def test_relayout_equals_planning_for_the_new_world_size():
     spec = load_source(sample("gpt.safetensors")).spec
     for align in ("yafsdp", "fsdp", "megatron", "none", "64"):
-        layout = plan(spec, world_size=4, align=align)
+        layout = plan(spec, LayoutOptions(world_size=4, align=align))
         for m in (1, 3, 16):
-            assert relayout(layout, m) == plan(spec, world_size=m, align=align)
+            assert relayout(layout, m) == plan(spec, LayoutOptions(world_size=m, align=align))
 
 
 def test_flat_file_reads_with_plain_safetensors(tmp_path):
@@ -263,8 +259,7 @@ def test_convert_of_safetensors_does_not_import_torch(tmp_path):
 def test_verify_runs_the_model_check_with_an_architecture(tmp_path):
     from yafsdp_cli import verify
 
-    def model_check(loaded, layout):  # as the command line hands it the convert's layout
-        return verify.model_check(loaded, {"layout": layout})
+    model_check = verify.model_check  # as the command line hands it the convert's layout
 
     flat = tmp_path / "flat.safetensors"
     result = convert_checkpoint(

@@ -101,7 +101,7 @@ def test_padding_ranges_cover_exactly_the_bytes_no_entry_covers(
         tuple(TensorRecord(f"p{i}", s, dtype) for i, s in enumerate(shapes)),
         has_architecture=False,
     )
-    (b,) = plan(spec, world_size=world_size, align=align).buffers
+    (b,) = plan(spec, LayoutOptions(world_size=world_size, align=align)).buffers
     isz = dtypes.itemsize(dtype)
     covered = [False] * b.padded_numel
     for e in b.entries:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.checkpoint import open_flat, restore_checkpoint
 from yafsdp_cli.cli import app
+from yafsdp_cli.options import LayoutOptions
 
 runner = CliRunner()
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "flat-v1-mlp.safetensors"
@@ -268,7 +269,7 @@ def _flat_gpt(layout=None, seed=0):
     from yafsdp_cli import convert_module, plan, spec_from_module
 
     model = build("gpt", seed=seed)
-    layout = layout or plan(spec_from_module(model), world_size=4)
+    layout = layout or plan(spec_from_module(model), LayoutOptions(world_size=4))
     return model, convert_module(model, layout)
 
 

@@ -27,6 +27,7 @@ from yafsdp_cli import CheckpointError, convert_module, plan, spec_from_module
 from yafsdp_cli.checkpoint import open_flat
 from yafsdp_cli.checkpoint.flat_training import MasterAdamW, flat_adamw, save_flat_training
 from yafsdp_cli.cli import app
+from yafsdp_cli.options import LayoutOptions
 
 runner = CliRunner()
 LR = 1e-2
@@ -212,7 +213,7 @@ def test_weights_only_drops_the_masters(tmp_path):
 
 def _flat_llama(layout=None, seed=0):
     model = build("llama", seed=seed)
-    layout = layout or plan(spec_from_module(model), world_size=4)
+    layout = layout or plan(spec_from_module(model), LayoutOptions(world_size=4))
     return model, convert_module(model, layout)
 
 

@@ -188,7 +188,7 @@ def test_a_rank_that_fails_to_load_stops_every_rank(on4, tmp_path):
 
 def sharded_gpt(world: int, rank: int = 0, layout=None, units=None) -> ShardedFlat:
     model = seeded_model()
-    layout = layout or plan(spec_from_module(model), world_size=world, units=units)
+    layout = layout or plan(spec_from_module(model), LayoutOptions(world_size=world, units=units))
     return ShardedFlat(convert_module(model, layout), LocalComm(rank, world))
 
 
@@ -196,7 +196,7 @@ def sharded_gpt(world: int, rank: int = 0, layout=None, units=None) -> ShardedFl
 def saved4(tmp_path_factory) -> Path:
     """A 4-rank set with AdamW state, written by one process (``save_flat_training``)."""
     model = seeded_model()
-    flat = convert_module(model, plan(spec_from_module(model), world_size=4))
+    flat = convert_module(model, plan(spec_from_module(model), LayoutOptions(world_size=4)))
     opt = flat_adamw(flat, **HYPER)
     model(torch.randint(0, 256, (2, 8))).square().mean().backward()
     opt.step()

@@ -8,6 +8,7 @@ from helpers import build
 from yafsdp_cli import FilterError, ModelSpec, TensorRecord, plan, spec_from_module
 from yafsdp_cli.engine.filters import select
 from yafsdp_cli.engine.units import assign_units, detect_units_from_names, resolve_unit_globs
+from yafsdp_cli.options import LayoutOptions
 
 
 def names(records):
@@ -121,7 +122,7 @@ def test_unit_globs_keep_the_outermost_match(llama):
         "like: model, model.embed_tokens, model.layers",
     ):
         resolve_unit_globs(["decoder.*"], llama.module_names)
-    layout = plan(llama, units=["*.mlp"])
+    layout = plan(llama, LayoutOptions(units=["*.mlp"]))
     assert {b.unit for b in layout.buffers} == {"", "model.layers.0.mlp", "model.layers.1.mlp"}
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli import YafsdpError
@@ -53,7 +54,9 @@ def llama(tmp_path):
 
 
 def fake(path, **kw):
-    return profile_model(load_source(path), ProfileOptions(fake=True, seq_len=TOKENS, **kw))
+    return profile_model(
+        load_source(path), options(ProfileOptions, fake=True, seq_len=TOKENS, **kw)
+    )
 
 
 # --lora's text
@@ -151,7 +154,7 @@ def test_lora_trains_only_the_adapter(llama):
 def test_lora_fake_equals_real(llama, world_size):
     """At 2 ranks the frozen base and the adapter have flat buffers of their own in
     each unit; rank 0's step gathers both and reduces the adapter's gradients only."""
-    opts = ProfileOptions(seq_len=TOKENS, lora=LORA, world_size=world_size)
+    opts = options(ProfileOptions, seq_len=TOKENS, lora=LORA, world_size=world_size)
     real = profile_model(load_source(llama), opts)
     fake_run = fake(llama, lora=LORA, world_size=world_size)
     assert real.flat_buffers == 5  # the root (frozen) and, per layer, frozen and adapter
@@ -312,7 +315,7 @@ def test_adapter_folder_builds_with_its_weights(adapter):
 
 
 def test_adapter_folder_profiles_as_lora_on_its_base(adapter):
-    real = profile_model(load_source(adapter), ProfileOptions(seq_len=TOKENS))
+    real = profile_model(load_source(adapter), options(ProfileOptions, seq_len=TOKENS))
     fake_run = fake(adapter)
     same = fake(adapter.parent / "base", lora=LORA)
     assert real.original.peak == fake_run.original.peak == same.original.peak

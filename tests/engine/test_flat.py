@@ -13,6 +13,7 @@ from torch import nn
 
 from yafsdp_cli import ConversionError, convert_module, plan, spec_from_module
 from yafsdp_cli.engine.flat import HANDLE_ATTR
+from yafsdp_cli.options import LayoutOptions
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -78,8 +79,7 @@ def test_restore_is_bit_exact_and_keeps_parameter_order(sample_name):
         model,
         plan(
             spec_from_module(model),
-            filters=["dtype:fp32"] if sample_name == "llama" else (),
-            world_size=2,
+            LayoutOptions(filters=["dtype:fp32"] if sample_name == "llama" else (), world_size=2),
         ),
     )
     restored = flat.restore()
@@ -191,7 +191,7 @@ def test_converting_twice_and_mismatched_layouts_are_refused():
 def test_converted_model_runs_on_meta_device():
     with torch.device("meta"):
         model = build("llama")
-    flat = convert_module(model, plan(spec_from_module(model), world_size=8))
+    flat = convert_module(model, plan(spec_from_module(model), LayoutOptions(world_size=8)))
     assert all(p.device.type == "meta" for p in model.parameters())
     out = model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
     assert out.shape == (1, 8, 256)
@@ -238,7 +238,9 @@ def test_random_modules_convert_train_and_restore_exactly(specs, world_size, ali
     torch.manual_seed(0)
     model = _Bag(specs)
     ref = copy.deepcopy(model)
-    flat = convert_module(model, plan(spec_from_module(model), world_size=world_size, align=align))
+    flat = convert_module(
+        model, plan(spec_from_module(model), LayoutOptions(world_size=world_size, align=align))
+    )
     for b in flat.buffers:
         assert b.param.numel() % world_size == 0
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9, foreach=False)

@@ -10,6 +10,7 @@ import torch
 from yafsdp_cli import TensorRecord, convert_module, plan, spec_from_module
 from yafsdp_cli.engine.inputs import projection_loss
 from yafsdp_cli.engine.units import detect_units_from_names
+from yafsdp_cli.options import LayoutOptions
 
 tf = pytest.importorskip("transformers")
 from hf_models import VOCAB, tiny_model  # noqa: E402
@@ -78,7 +79,7 @@ def test_hf_models_train_identically_once_converted(name, tied):
     spec = spec_from_module(model)
     assert {t.name: t.aliases for t in spec.tensors if t.aliases} == tied
     twin = copy.deepcopy(model)
-    flat = convert_module(twin, plan(spec, world_size=3, align="fsdp"))
+    flat = convert_module(twin, plan(spec, LayoutOptions(world_size=3, align="fsdp")))
     ref_grads, ref_params = train(model)
     got_grads, got_params = train(twin, flat)
     for step, (a, b) in enumerate(zip(ref_grads, got_grads)):

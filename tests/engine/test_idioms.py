@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from yafsdp_cli import ConversionError, convert_module, plan, spec_from_module
 from yafsdp_cli.engine.flat import flat_handle
 from yafsdp_cli.engine.inputs import make_input, projection_loss
+from yafsdp_cli.options import LayoutOptions
 
 tf = pytest.importorskip("transformers")
 from hf_models import VOCAB, tiny_model  # noqa: E402
@@ -47,7 +48,7 @@ def forward(model, step: int, micro: int):
 
 def converted(model, **plan_kwargs):
     twin = copy.deepcopy(model)
-    return twin, convert_module(twin, plan(spec_from_module(twin), **plan_kwargs))
+    return twin, convert_module(twin, plan(spec_from_module(twin), LayoutOptions(**plan_kwargs)))
 
 
 def train(model, *, params=None, steps=3, micro=2, clip=None):

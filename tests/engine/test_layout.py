@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from yafsdp_cli import LayoutError, ModelSpec, TensorRecord, YafsdpError, parse_align, plan
 from yafsdp_cli.engine.layout import check_layout, plan_layout
 from yafsdp_cli.engine.units import assign_units
+from yafsdp_cli.options import LayoutOptions
 
 FLOATS = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn")
 
@@ -33,7 +34,7 @@ def spec_of(*shapes, dtype="float32") -> ModelSpec:
     ],
 )
 def test_hand_computed_offsets(align, offsets, padded):
-    layout = plan(spec_of((3, 5), (7,), ()), world_size=4, align=align)
+    layout = plan(spec_of((3, 5), (7,), ()), LayoutOptions(world_size=4, align=align))
     (buf,) = layout.buffers
     assert [e.offset for e in buf.entries] == offsets
     assert buf.padded_numel == padded
@@ -41,7 +42,7 @@ def test_hand_computed_offsets(align, offsets, padded):
 
 
 def test_shard_pieces_by_hand():
-    (buf,) = plan(spec_of((3, 5), (7,), ()), world_size=4).buffers  # shards of 8
+    (buf,) = plan(spec_of((3, 5), (7,), ()), LayoutOptions(world_size=4)).buffers  # shards of 8
     assert [(p.entry, p.start, p.end, p.flat_start) for p in buf.shard(1)] == [
         ("p0", 8, 15, 8),
         ("p1", 0, 1, 15),
@@ -116,7 +117,7 @@ def _tamper(layout, **changes):
 
 
 def test_check_layout_catches_broken_invariants():
-    layout = plan(spec_of((4,), (4,)), world_size=2, align="fsdp")
+    layout = plan(spec_of((4,), (4,)), LayoutOptions(world_size=2, align="fsdp"))
     b = layout.buffers[0]
     e0, e1 = b.entries
     overlap = (e0, dataclasses.replace(e1, offset=2))
@@ -142,7 +143,7 @@ def test_bad_align_and_world_size_are_errors():
     with pytest.raises(YafsdpError, match="--align '0'"):
         parse_align("0")
     with pytest.raises(YafsdpError, match="at least 1"):
-        plan(spec_of((2,)), world_size=0)
+        plan(spec_of((2,)), LayoutOptions(world_size=0))
 
 
 def test_buffers_split_by_dtype_and_keep_non_selected_tensors():
@@ -172,7 +173,7 @@ def test_layout_round_trips_through_json_and_refuses_malformed():
         ),
         has_architecture=False,
     )
-    layout = plan(spec, filters=["name:a"], world_size=3, align="megatron")
+    layout = plan(spec, LayoutOptions(filters=["name:a"], world_size=3, align="megatron"))
     data = json.loads(json.dumps(layout_to_dict(layout)))
     assert layout_from_dict(data) == layout
     with pytest.raises(LayoutError, match="version 7 is not 1"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli import YafsdpError
@@ -71,7 +72,7 @@ def llama(tmp_path):
 
 
 def fake(path, **kw):
-    opts = ProfileOptions(fake=True, seq_len=32, lora=LORA, **kw)
+    opts = options(ProfileOptions, fake=True, seq_len=32, lora=LORA, **kw)
     return profile_model(load_source(path), opts)
 
 
@@ -99,7 +100,7 @@ def test_quantize_without_fake_says_so(llama):
 
 def test_quantize_with_nothing_frozen_is_an_error(llama):
     with pytest.raises(YafsdpError, match="no frozen linear layer to pack"):
-        profile_model(load_source(llama), ProfileOptions(fake=True, quantize="nf4"))
+        profile_model(load_source(llama), options(ProfileOptions, fake=True, quantize="nf4"))
 
 
 def test_plan_and_check_take_quantize(llama, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import options
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (not a dependency)")
 tf = pytest.importorskip("transformers")
@@ -135,7 +136,7 @@ def test_real_qlora_step_against_profile_fake(stored, kind):
     )
     model.train()
     real = _real_step_peak(model)
-    opts = ProfileOptions(fake=True, seq_len=TOKENS, batch=BATCH, lora=LORA, quantize=kind)
+    opts = options(ProfileOptions, fake=True, seq_len=TOKENS, batch=BATCH, lora=LORA, quantize=kind)
     planned = profile_model(load_source(stored), opts).original.peak.total
     print(f"{kind}: profile / real {planned / real:.4f} ({planned} / {real})")
     assert abs(planned / real - 1) <= TOLERANCE, (kind, planned, real)

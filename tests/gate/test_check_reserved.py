@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from helpers import options
+
 from yafsdp_cli.gate.baseline import StepFigures, StepInputs, _parse_step
 from yafsdp_cli.gate.regressions import RESERVED_NAME, compare_step
 from yafsdp_cli.gate.step_figures import measure_step
@@ -56,6 +58,6 @@ def test_measured_reserved_is_the_replay_of_the_converted_step(monkeypatch):
     loaded = load_source(None, model="sample_models.models:gpt")
     got = measure_step(loaded, INPUTS, LayoutOptions())
     traces: dict = {}
-    opts = ProfileOptions(fake=True, per_module=True, depth=64)
+    opts = options(ProfileOptions, fake=True, per_module=True, depth=64)
     profile_model(load_source(None, model="sample_models.models:gpt"), opts, traces=traces)
     assert got.reserved_peak == reserved_of(traces["converted"]).reserved_peak > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_gpu_bench_without_gpu
+from helpers import options, run_gpu_bench_without_gpu
 
 from benchmarks import bench_reserved_cuda as bench
 from yafsdp_cli.memory import reserved_of
@@ -62,7 +62,7 @@ def test_a_profiled_steps_trace_replays_to_the_trackers_peak():
     traces: dict = {}
     report = profile_model(
         load_source(None, model="sample_models.models:gpt"),
-        ProfileOptions(fake=True, target="cuda", batch=2, seq_len=64),
+        options(ProfileOptions, fake=True, target="cuda", batch=2, seq_len=64),
         traces=traces,
     )
     for step in (report.original, report.converted_step):

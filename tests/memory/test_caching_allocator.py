@@ -13,6 +13,7 @@ import time
 
 import pytest
 from conftest import ROOT
+from helpers import options
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -401,7 +402,7 @@ def test_a_replay_costs_a_small_part_of_the_fake_step_that_made_its_trace():
     traces: dict = {}
     report = profile_model(
         load_source(None, model="sample_models.models:llama"),
-        ProfileOptions(fake=True, target="cuda", seq_len=128, param_dtype="bfloat16"),
+        options(ProfileOptions, fake=True, target="cuda", seq_len=128, param_dtype="bfloat16"),
         traces=traces,
     )
     for step in (report.original, report.converted_step):

@@ -13,6 +13,7 @@ import pytest
 
 from yafsdp_cli import ModelSpec, TensorRecord, YafsdpError, plan
 from yafsdp_cli.memory.estimate import MemoryConfig, assumptions, estimate_memory
+from yafsdp_cli.options import LayoutOptions
 
 BF16_NUMEL = 1024 + 2 * 4096  # 9216
 FP32_NUMEL = 64
@@ -36,7 +37,7 @@ def tiny(**record_kw) -> ModelSpec:
 
 def report(world_size: int, align: str = "yafsdp", spec: ModelSpec | None = None, **cfg):
     spec = spec or tiny()
-    layout = plan(spec, world_size=world_size, align=align)
+    layout = plan(spec, LayoutOptions(world_size=world_size, align=align))
     cfg.setdefault("round_bytes", 1)
     return estimate_memory(layout, MemoryConfig(**cfg))
 
@@ -147,7 +148,7 @@ def test_frozen_parameters_have_no_gradients_or_states():
 
 def test_unconverted_parameters_stay_whole_in_the_flat_scheme():
     spec = tiny()
-    layout = plan(spec, world_size=2, excludes=["name:emb.*"])
+    layout = plan(spec, LayoutOptions(world_size=2, excludes=["name:emb.*"]))
     r = estimate_memory(layout, MemoryConfig(round_bytes=1))
     # emb: 1024 bf16 elements at 16 bytes each, whole on every rank
     assert r.flat.persistent == 74368 - 1024 * 16 // 2 + 1024 * 16

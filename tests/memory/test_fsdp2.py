@@ -28,6 +28,7 @@ from yafsdp_cli.memory.fsdp2 import (
     placement_fn_line,
     uneven_on_dim0,
 )
+from yafsdp_cli.options import LayoutOptions
 
 runner = CliRunner()
 EXACT = MemoryConfig(round_bytes=1)
@@ -68,7 +69,7 @@ EXPERTS = spec(
 def test_experts_over_eight_ranks_by_hand():
     """4 experts of 128 elements: every rank allocates one expert per parameter and
     gradient; ranks 0-3 hold one expert of AdamW states, ranks 4-7 none."""
-    groups = rank_groups(plan(EXPERTS, world_size=8), EXACT)
+    groups = rank_groups(plan(EXPERTS, LayoutOptions(world_size=8)), EXACT)
     head = 12 * 16 * 4  # 96 rows / 8 = 12 rows of 16 fp32
     expert = 128 * 4
     assert [g.ranks for g in groups] == [(0, 3), (4, 7)]
@@ -77,13 +78,13 @@ def test_experts_over_eight_ranks_by_hand():
     assert first.optimizer == 2 * (2 * expert + head)
     assert last.optimizer == 2 * head
     assert (
-        persistent_by_rank(plan(EXPERTS, world_size=8), EXACT)
+        persistent_by_rank(plan(EXPERTS, LayoutOptions(world_size=8)), EXACT)
         == (first.persistent,) * 4 + (last.persistent,) * 4
     )
 
 
 def test_auto_placement_puts_experts_on_dim_1():
-    layout = plan(EXPERTS, world_size=8)
+    layout = plan(EXPERTS, LayoutOptions(world_size=8))
     auto = fsdp2_memory(layout, EXACT, "auto")
     assert len(auto.ranks) == 1  # every rank alike
     assert {p.name: p.dim for p in place(layout, EXACT, "auto")} == {
@@ -110,7 +111,7 @@ def test_the_placement_line_picks_exactly_its_shapes():
 
 
 def test_no_shard_1_where_dim_1_does_not_divide():
-    layout = plan(spec(("layers.0.experts", (4, 6, 16), "float32")), world_size=8)
+    layout = plan(spec(("layers.0.experts", (4, 6, 16), "float32")), LayoutOptions(world_size=8))
     u = fsdp2_memory(layout, EXACT, "auto").uneven
     assert u is not None and u.stuck_params == ("layers.*.experts",) and not u.dim1_params
     assert u.shard_placement_fn == "" and u.dim1_bytes == u.fullest_bytes
@@ -127,19 +128,19 @@ def test_uneven_means_more_than_five_percent_of_padding(rows, world, uneven):
 
 def test_a_dense_model_gets_no_warning():
     dense = spec(("layers.0.w", (64, 16), "float32"), ("head", (61, 16), "float32"))
-    m = fsdp2_memory(plan(dense, world_size=8), EXACT)
+    m = fsdp2_memory(plan(dense, LayoutOptions(world_size=8)), EXACT)
     assert m.uneven is None
     assert len(m.ranks) == 2  # the last rank owns 5 of the head's 61 rows, not 8
 
 
 def test_mixed_precision_shards_stay_float32_frozen_ones_do_not():
     bf16 = spec(("layers.0.w", (8, 8), "bfloat16"))
-    stores = lambda cfg, s=bf16: {p.store for p in place(plan(s, world_size=2), cfg)}  # noqa: E731
+    stores = lambda cfg, s=bf16: {p.store for p in place(plan(s, LayoutOptions(world_size=2)), cfg)}  # noqa: E731
     assert stores(EXACT) == {"float32"}
     assert stores(MemoryConfig(master_weights=False, round_bytes=1)) == {"bfloat16"}
     frozen = spec(("layers.0.w", (8, 8), "bfloat16"), frozen=True)
     assert stores(EXACT, frozen) == {"bfloat16"}
-    fsdp = estimate_memory(plan(bf16, world_size=2), EXACT).references[-1]
+    fsdp = estimate_memory(plan(bf16, LayoutOptions(world_size=2)), EXACT).references[-1]
     # 32 fp32 elements per rank: shard, gradient shard, two states; no master copy
     assert (fsdp.params, fsdp.grads, fsdp.optimizer, fsdp.master) == (128, 128, 256, 0)
     assert fsdp.gather == 64 * 2  # the unit gathered in bfloat16
@@ -147,13 +148,13 @@ def test_mixed_precision_shards_stay_float32_frozen_ones_do_not():
 
 def test_cuda_rounding_per_parameter_but_per_unit_for_gradients():
     three = spec(*((f"layers.0.w{i}", (4, 4), "float32") for i in range(3)))
-    fsdp = estimate_memory(plan(three, world_size=2), MemoryConfig()).references[-1]
+    fsdp = estimate_memory(plan(three, LayoutOptions(world_size=2)), MemoryConfig()).references[-1]
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == (3 * 512, 512, 6 * 512)
 
 
 def test_bad_placement_is_an_error():
     with pytest.raises(YafsdpError, match=r"--fsdp-placement 'dim2' is not one of dim0\|auto"):
-        fsdp2_memory(plan(EXPERTS, world_size=2), EXACT, "dim2")
+        fsdp2_memory(plan(EXPERTS, LayoutOptions(world_size=2)), EXACT, "dim2")
 
 
 def test_glob_names_folds_numbered_components():

@@ -7,11 +7,12 @@ import pickle
 
 import pytest
 
-from yafsdp_cli.errors import YafsdpError
+from yafsdp_cli.errors import FilterError, YafsdpError
 from yafsdp_cli.inspection.inspect_options import InspectOptions
 from yafsdp_cli.memory.headroom import fit, needed_bytes, process_sum
-from yafsdp_cli.options import LayoutOptions, MemoryOptions, StepOptions, route
+from yafsdp_cli.options import LayoutOptions, MemoryOptions, StepOptions
 from yafsdp_cli.planning import PlanOptions
+from yafsdp_cli.planning.plan_options import PLAN_MEMORY, PLAN_STEP, SAVED
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.verify import VerifyOptions
 
@@ -40,21 +41,20 @@ def test_each_piece_checks_its_fields(make, message):
         make()
 
 
-def test_flat_keywords_are_stored_in_the_pieces_that_own_them():
-    opts = VerifyOptions(filters=["linear"], optimizer="sgd", steps=2)
+def test_a_command_holds_its_pieces_whole():
+    opts = VerifyOptions(layout=LayoutOptions(filters=["linear"]), steps=2)
     assert opts.layout == LayoutOptions(filters=("linear",))
-    assert opts.step.optimizer == "sgd" and opts.steps == 2
-    assert (opts.filters, opts.optimizer, opts.world_size) == (("linear",), "sgd", 1)
-    assert VerifyOptions(layout=LayoutOptions(filters=("linear",)), steps=2).filters == ("linear",)
-    assert route({"world_size": 2, "seed": 1, "reserve": 0}) == {
-        "layout": {"world_size": 2},
-        "step": {"seed": 1},
-        "memory": {"reserve": 0},
-    }
+    assert opts.step.optimizer == "adamw" and opts.steps == 2
+    assert (opts.layout.filters, opts.step.optimizer, opts.layout.world_size) == (
+        ("linear",),
+        "adamw",
+        1,
+    )
+    assert not hasattr(opts, "filters")  # read through the piece, never flattened
 
 
 def test_a_command_takes_only_its_own_options():
-    with pytest.raises(TypeError, match="VerifyOptions has no option param_dtype"):
+    with pytest.raises(TypeError):
         VerifyOptions(param_dtype="bf16")
     with pytest.raises(YafsdpError, match="--steps must be at least 1"):
         VerifyOptions(steps=0)
@@ -64,21 +64,44 @@ def test_a_command_takes_only_its_own_options():
         PlanOptions()
 
 
-def test_replace_pickle_and_flat_round_trip():
-    opts = VerifyOptions(filters=("linear",), steps=2)
-    wider = dataclasses.replace(opts, world_size=4)
+def test_a_malformed_filter_fails_when_the_layout_is_made():
+    for field in ("filters", "excludes", "freeze"):
+        piece = StepOptions if field == "freeze" else LayoutOptions
+        with pytest.raises(FilterError):
+            piece(**{field: ("re:(",)})
+
+
+def test_replace_pickle_and_recorded_round_trip():
+    opts = VerifyOptions(layout=LayoutOptions(filters=("linear",)), steps=2)
+    wider = dataclasses.replace(opts, layout=dataclasses.replace(opts.layout, world_size=4))
     assert wider.layout == LayoutOptions(filters=("linear",), world_size=4)
     assert pickle.loads(pickle.dumps(wider)) == wider
-    plan = PlanOptions(gpu_memory=2**32, param_dtype="bf16", micro_batches=(1, 2))
-    assert plan.param_dtype == "bfloat16" and plan.target == "cuda" and plan.round_bytes == 512
-    assert PlanOptions(**plan.flat()) == plan
-    assert list(plan.flat())[:3] == ["gpu_memory", "world_sizes", "micro_batches"]
+    plan = PlanOptions(
+        step=dataclasses.replace(PLAN_STEP, param_dtype="bf16"),
+        memory=dataclasses.replace(PLAN_MEMORY, gpu_memory=2**32),
+        micro_batches=(1, 2),
+    )
+    assert plan.step.param_dtype == "bfloat16" and plan.step.target == "cuda"
+    assert plan.memory.round_bytes == 512
+    assert PlanOptions.from_recorded(plan.recorded()) == plan
+    assert list(plan.recorded())[:3] == ["gpu_memory", "world_sizes", "micro_batches"]
+    with pytest.raises(TypeError, match="no option nope"):
+        PlanOptions.from_recorded({**plan.recorded(), "nope": 1})
+
+
+def test_a_saved_plan_records_fields_of_the_pieces_and_the_plan():
+    names = {f.name for f in dataclasses.fields(PlanOptions)}
+    for piece in (LayoutOptions, StepOptions, MemoryOptions):
+        names |= {f.name for f in dataclasses.fields(piece)}
+    assert set(SAVED) <= names and len(set(SAVED)) == len(SAVED)
 
 
 def test_command_defaults_differ_where_the_commands_do():
-    assert InspectOptions().optimizer is None and InspectOptions().round_bytes == 512
-    assert ProfileOptions().round_bytes is None and ProfileOptions(target="cuda").kernels == "cuda"
-    assert PlanOptions(gpu_memory=2**32).seq_len is None
+    assert InspectOptions().step.optimizer is None and InspectOptions().memory.round_bytes == 512
+    assert ProfileOptions().memory.round_bytes is None
+    assert ProfileOptions(step=StepOptions(target="cuda")).kernels == "cuda"
+    assert PlanOptions(memory=MemoryOptions(gpu_memory=2**32)).step.seq_len is None
+    assert VerifyOptions().step.optimizer_impl == "for-loop"
 
 
 def test_the_fit_arithmetic():

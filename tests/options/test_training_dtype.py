@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
@@ -69,9 +70,9 @@ def test_param_dtype_overrides_the_rule(no_dtype):
 def test_profile_follows_the_rule_and_says_so(no_dtype):
     loaded = load_source(no_dtype)
     small = dict(fake=True, seq_len=8, batch=1, target="cpu")
-    report = profile_model(loaded, ProfileOptions(**small))
+    report = profile_model(loaded, options(ProfileOptions, **small))
     assert report.training_dtype.startswith(f"parameters in {DEFAULT_TRAINING_DTYPE}:")
-    fp32 = profile_model(loaded, ProfileOptions(**small, param_dtype="fp32"))
+    fp32 = profile_model(loaded, options(ProfileOptions, **small, param_dtype="fp32"))
     assert fp32.training_dtype == "parameters in float32 (--param-dtype)"
     assert 2 * report.original.peak.parameters == fp32.original.peak.parameters
 

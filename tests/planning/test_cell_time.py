@@ -10,12 +10,14 @@ from importlib import resources
 
 import jsonschema
 import pytest
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.inspection.build import retype_params
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
 from yafsdp_cli.planning.cell import Cell
 from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate, ranked_rows
@@ -35,7 +37,7 @@ def llama():
 
 @pytest.mark.parametrize("checkpointing", ["none", "non-reentrant"])
 def test_the_kernel_line_equals_a_direct_count(llama, checkpointing):
-    opts = PlanOptions(gpu="h100-sxm", seq_len=SEQ)
+    opts = options(PlanOptions, gpu="h100-sxm", seq_len=SEQ)
     one, two, five = (
         count_cell(llama, opts, SEQ, Cell.at(1, mb, checkpointing)) for mb in (1, 2, 5)
     )
@@ -51,13 +53,13 @@ def test_the_kernel_line_equals_a_direct_count(llama, checkpointing):
         if got.vector_flops != want.vector_flops:
             kinked.append(got.name)
     assert set(kinked) <= {"aten.embedding_dense_backward.default"}
-    gpu, layout = gpu_spec("h100-sxm"), plan(llama.spec, world_size=1)
+    gpu, layout = gpu_spec("h100-sxm"), plan(llama.spec, LayoutOptions(world_size=1))
     got, want = (estimate_step(c, layout, gpu).step_s for c in (line, five))
     assert got == pytest.approx(want, rel=1e-6)  # memory-bound: the bend costs no time
 
 
 def test_kernels_that_differ_are_not_put_on_a_line(llama):
-    opts = PlanOptions(gpu="h100-sxm", seq_len=SEQ)
+    opts = options(PlanOptions, gpu="h100-sxm", seq_len=SEQ)
     plain, ckpt = (
         count_cell(llama, opts, SEQ, Cell.at(1, 1, c)) for c in ("none", "non-reentrant")
     )
@@ -66,7 +68,8 @@ def test_kernels_that_differ_are_not_put_on_a_line(llama):
 
 def test_every_cell_is_the_timing_packages_estimate_of_it(llama):
     network = 25e9
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu="h100-sxm",
         seq_len=SEQ,
         world_sizes=(1, 4, 16),
@@ -75,7 +78,7 @@ def test_every_cell_is_the_timing_packages_estimate_of_it(llama):
         jobs=1,
     )
     report = plan_model(llama, opts)
-    assert opts.gpu_memory == gpu_spec("h100-sxm").memory_bytes  # --gpu sets it
+    assert opts.memory.gpu_memory == gpu_spec("h100-sxm").memory_bytes  # --gpu sets it
     assert report.timing.gpu == "H100-SXM" and report.timing.count_runs == 4
     spec = retype_params(llama.spec, "bfloat16")
     for ws, mb, ck in [(4, 4, "non-reentrant"), (16, 1, "none"), (1, 2, "none")]:
@@ -84,7 +87,7 @@ def test_every_cell_is_the_timing_packages_estimate_of_it(llama):
         costs = count_cell(llama, opts, SEQ, Cell.at(ws, mb, ck))
         want = estimate_step(
             costs,
-            plan(spec, world_size=ws, align=opts.align),
+            plan(spec, LayoutOptions(world_size=ws, align=opts.layout.align)),
             gpu_spec("h100-sxm"),
             cluster=Cluster(inter_node_bytes_per_s=network),
             cfg=opts.memory_config(),
@@ -165,12 +168,12 @@ def test_untimed_rows_cannot_be_chosen_by_an_objective():
 )
 def test_timing_options_are_checked_before_any_run(given, message):
     with pytest.raises(YafsdpError, match=message):
-        PlanOptions(**given)
+        options(PlanOptions, **given)
 
 
 def test_given_gpu_memory_wins_over_the_gpus():
-    assert PlanOptions(gpu="h200", gpu_memory=2**36).gpu_memory == 2**36
-    assert PlanOptions(gpu="H200").gpu_memory == gpu_spec("h200").memory_bytes
+    assert options(PlanOptions, gpu="h200", gpu_memory=2**36).memory.gpu_memory == 2**36
+    assert options(PlanOptions, gpu="H200").memory.gpu_memory == gpu_spec("h200").memory_bytes
 
 
 # -- the command line ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from importlib import resources
 import jsonschema
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
@@ -28,7 +29,8 @@ def _truth(loaded, target: str = "cpu", seq_len: int = SEQ) -> None:
     """Plan at world sizes 1, 2, 4, 8 (4 is extrapolated, not measured) against the
     converted step at 1 and 4, checkpointing on and off: within 3%. The step is real
     for the CPU's kernels; for CUDA's it is ``profile --fake --target cuda``'s."""
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=2**40,
         reserve=0,
         world_sizes=(1, 2, 4, 8),
@@ -43,16 +45,17 @@ def _truth(loaded, target: str = "cpu", seq_len: int = SEQ) -> None:
     for (ws, mb), ck in [((w, m), c) for w, m in ((1, 1), (4, 2)) for c in report.checkpointing]:
         real = profile_converted(
             loaded,
-            ProfileOptions(
+            options(
+                ProfileOptions,
                 world_size=ws,
                 batch=mb,
                 seq_len=seq_len,
                 fake=target == "cuda",
                 target=target,
-                param_dtype=opts.param_dtype,
+                param_dtype=opts.step.param_dtype,
                 checkpointing=ck,
-                round_bytes=opts.round_bytes,
-                optimizer_impl=opts.optimizer_impl,
+                round_bytes=opts.memory.round_bytes,
+                optimizer_impl=opts.step.optimizer_impl,
             ),
         ).peak.total
         planned = rows[(ws, mb, ck)].peak_bytes
@@ -129,7 +132,7 @@ def test_plan_json_follows_its_schema_and_marks_fits():
 
 def test_plan_default_grid_stops_where_everything_fits():
     loaded = load_source(None, model="sample_models.models:gpt")
-    opts = PlanOptions(gpu_memory=1536 * 2**10, reserve=0, seq_len=16, target="cpu")
+    opts = options(PlanOptions, gpu_memory=1536 * 2**10, reserve=0, seq_len=16, target="cpu")
     report = plan_model(loaded, opts)
     last = report.world_sizes[-1]
     assert all(r.fits for r in report.rows if r.world_size == last)
@@ -227,8 +230,8 @@ def test_plan_on_several_processes_equals_the_plan_in_one():
 
     base = dict(gpu_memory=2**30, reserve=0, world_sizes=(1, 2, 4), micro_batches=(1, 2, 4))
     kw = dict(model="sample_models.models:llama")
-    one = plan_source(None, **kw, opts=PlanOptions(**base, seq_len=SEQ, jobs=1))
-    two = plan_source(None, **kw, opts=PlanOptions(**base, seq_len=SEQ, jobs=2))
+    one = plan_source(None, **kw, opts=options(PlanOptions, **base, seq_len=SEQ, jobs=1))
+    two = plan_source(None, **kw, opts=options(PlanOptions, **base, seq_len=SEQ, jobs=2))
     assert one.rows == two.rows and one.fake_runs == two.fake_runs > 2
     assert any("(2 at a time" in n for n in two.notes)
     assert any("(1 at a time" in n for n in one.notes)
@@ -239,7 +242,7 @@ def test_a_failing_run_in_a_worker_is_the_plans_error():
     from yafsdp_cli.planning.measure import measure_peaks
     from yafsdp_cli.planning.pool import Origin, run_steps
 
-    opts = PlanOptions(gpu_memory=2**30, reserve=0, seq_len=SEQ)
+    opts = options(PlanOptions, gpu_memory=2**30, reserve=0, seq_len=SEQ)
     origin = Origin(None, "sample_models.models:mlp", False)
     loaded = load_source(None, model=origin.model)
     # the mlp has no units to checkpoint
@@ -274,7 +277,7 @@ def test_the_default_grid_runs_on_past_cells_inside_the_margin():
 
     gib = 2**30
     gpu = 80 * gib
-    opts = Ns(gpu_memory=gpu, memory=Ns(margin_bytes=2 * gib))
+    opts = Ns(memory=Ns(gpu_memory=gpu, margin_bytes=2 * gib))
     needed = {(1, 1): 90, (1, 8): 95, (2, 1): 40, (2, 8): 79, (4, 1): 30, (4, 8): 70, (8, 1): 20}
 
     def rows():  # each row's Fit, as the plan gives it, under the options' margin

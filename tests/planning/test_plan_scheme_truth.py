@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import options
 
 pytest.importorskip("transformers")
+
 
 from tests.fsdp2_ranks import CONFIGS, launch  # noqa: E402
 from tests.scheme_ranks import StepJob, rank_main  # noqa: E402
@@ -43,7 +45,8 @@ def planned(tmp_path_factory):
     folder = tmp_path_factory.mktemp(MODEL)
     CONFIGS[MODEL]().save_pretrained(folder)
     loaded = load_source(folder)
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=2**40,
         reserve=0,
         world_sizes=(1, 2, 4),
@@ -90,7 +93,7 @@ def test_the_flat_scheme_row_is_the_plans_own(planned, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     CONFIGS["gpt2"]().save_pretrained(folder)
     loaded = load_source(folder)
-    opts = PlanOptions(
+    opts = options(PlanOptions,
         gpu_memory=2**40, world_sizes=(1, 2), micro_batches=(1, 2), seq_len=8, target="cpu",
         checkpointing=("none",), jobs=1, schemes=("flat", "fsdp2"),
     )  # fmt: skip

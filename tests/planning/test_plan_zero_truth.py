@@ -15,9 +15,11 @@ peak.
 from __future__ import annotations
 
 import pytest
+from helpers import options
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
+
 
 from tests.fsdp2_ranks import CONFIGS, launch  # noqa: E402
 from tests.zero_ranks import ZeroJob, rank_main  # noqa: E402
@@ -50,7 +52,7 @@ def planned(tmp_path_factory):
     folder = tmp_path_factory.mktemp(MODEL)
     CONFIGS[MODEL]().save_pretrained(folder)
     loaded = load_source(folder)
-    opts = PlanOptions(
+    opts = options(PlanOptions,
         gpu_memory=2**40, reserve=0, world_sizes=(1, 2, 4), micro_batches=(1, BATCH),
         checkpointing=("none",), seq_len=SEQ, target="cpu", round_bytes=1,
         param_dtype="bfloat16", jobs=1, schemes=tuple(f"zero{s}" for s in STAGES),

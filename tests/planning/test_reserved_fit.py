@@ -11,13 +11,14 @@ from importlib import resources
 import jsonschema
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.memory import outside_memory, reserved_of
+from yafsdp_cli.options.sizes import parse_margin, parse_outside
 from yafsdp_cli.planning import PlanOptions, plan_model
-from yafsdp_cli.planning.plan_options import parse_margin, parse_outside
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.profiling.profiler import profile_converted
 from yafsdp_cli.sources import load_source
@@ -51,7 +52,8 @@ def cell_replay(loaded, ws: int, mb: int, ck: str, conf: str | None = None):
     traces: dict = {}
     step = profile_converted(
         loaded,
-        ProfileOptions(
+        options(
+            ProfileOptions,
             world_size=ws,
             batch=mb,
             seq_len=SEQ,
@@ -71,7 +73,7 @@ def one_cell(loaded, gpu: int, **kw):
     """A plan of ``CELL`` alone (measured: its own run decides)."""
     ws, mb, ck = CELL
     base = dict(world_sizes=(ws,), micro_batches=(mb,), checkpointing=(ck,), seq_len=SEQ)
-    report = plan_model(loaded, PlanOptions(gpu_memory=gpu, jobs=1, **{**base, **kw}))
+    report = plan_model(loaded, options(PlanOptions, gpu_memory=gpu, jobs=1, **{**base, **kw}))
     (row,) = report.rows
     return report, row
 
@@ -126,21 +128,22 @@ def test_outside_parts_are_itemised_and_overridable(llama):
 
 def test_the_best_row_keeps_the_margin(llama):
     opts = dict(world_sizes=(1, 2), micro_batches=(1, 2, 4), seq_len=SEQ, reserve=0, jobs=1)
-    free = plan_model(llama, PlanOptions(gpu_memory=64 * MIB, margin=0, **opts))
+    free = plan_model(llama, options(PlanOptions, gpu_memory=64 * MIB, margin=0, **opts))
     best = free.best
     left = free.gpu_memory_bytes - best.needed_bytes
-    kept = plan_model(llama, PlanOptions(gpu_memory=64 * MIB, margin=left + 1, **opts))
+    kept = plan_model(llama, options(PlanOptions, gpu_memory=64 * MIB, margin=left + 1, **opts))
     assert kept.margin_bytes == left + 1
     assert kept.best != best
     assert kept.best is None or kept.gpu_memory_bytes - kept.best.needed_bytes > left
-    default = PlanOptions(gpu_memory=80 << 30)
+    default = options(PlanOptions, gpu_memory=80 << 30)
     assert default.memory.margin_bytes == round(0.03 * (80 << 30))
 
 
 def test_best_and_advised_rows_are_replayed_from_their_own_runs(llama):
     """Cells without a run carry the nearest run's fragmentation; the rows the answer
     rests on are replayed, and equal a direct replay of the cell's own fake step."""
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=8 * MIB,
         reserve=0,
         margin=0,
@@ -182,7 +185,7 @@ def test_a_cell_with_its_own_run_reports_that_run_not_the_line(llama, monkeypatc
         return phase, act, temp + MIB
 
     monkeypatch.setattr(measure.PhaseLine, "at", off)
-    opts = PlanOptions(
+    opts = options(PlanOptions,
         gpu_memory=8 * MIB, reserve=0, margin=0, world_sizes=(1, 2, 4),
         micro_batches=(1, 2, 4, 8), seq_len=SEQ, jobs=1,
     )  # fmt: skip
@@ -266,7 +269,7 @@ def test_parts_and_margin_parse():
     assert parse_margin("5%", 100) == 5 and parse_margin("2KiB", 100) == 2048
     assert parse_margin(None, 100) is None
     with pytest.raises(YafsdpError, match="give bytes of at least 0"):
-        PlanOptions(gpu_memory=1 << 30, outside=(("context", -1),))
+        options(PlanOptions, gpu_memory=1 << 30, outside=(("context", -1),))
 
 
 def tensors_alive() -> int:
@@ -305,7 +308,8 @@ def test_nothing_of_a_plan_outlives_it_with_replays_and_advice(llama, monkeypatc
 def test_carried_cells_against_their_own_replay(llama):
     """Every cell without a run of its own against a direct replay of its own fake
     step: the carried reserved peak stays within a 2 MiB segment and 10% of it."""
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=1 << 40,
         reserve=0,
         margin=0,

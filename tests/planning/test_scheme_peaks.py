@@ -30,6 +30,7 @@ from yafsdp_cli.memory.step_schemes import (
     ddp_buckets,
     scheme_memory,
 )
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.schemes import NAMES as SCHEMES
 from yafsdp_cli.schemes import by_name
 from yafsdp_cli.schemes import check_names as check_schemes
@@ -40,7 +41,7 @@ MIB = 2**20
 
 
 def _memory(scheme: str, ws: int, settings=None, cfg=None):
-    layout = plan(spec(), world_size=ws, units=("layers.*",))
+    layout = plan(spec(), LayoutOptions(world_size=ws, units=("layers.*",)))
     return scheme_memory(by_name(scheme), layout, cfg or MemoryConfig(round_bytes=1), settings)
 
 
@@ -62,7 +63,7 @@ def test_nothing_communicates_at_world_size_1():
 
 
 def test_ddp_buckets_are_a_second_copy_of_every_gradient():
-    layout = plan(spec(), world_size=2, units=("layers.*",))
+    layout = plan(spec(), LayoutOptions(world_size=2, units=("layers.*",)))
     cfg = MemoryConfig(round_bytes=1)
     converted, kept, _ = tensors_of_layout(layout)
     grads = whole_bytes(converted + kept, cfg)["grads"]
@@ -101,7 +102,7 @@ def test_zero_stages_shard_what_deepspeed_says_and_keep_its_buckets():
     assert z3.gather == every * 2 < zero.max_reuse_distance
     # above it: the largest unit and as much of the next as the prefetch bucket allows,
     # or the last max_reuse_distance elements, whichever is more
-    layout = plan(spec(), world_size=ws, units=("layers.*",))
+    layout = plan(spec(), LayoutOptions(world_size=ws, units=("layers.*",)))
     cfg = MemoryConfig(round_bytes=1)
     for distance, live in ((1000, 2 * 4 * 512 * 512), (2_500_000, 2_500_000)):
         small = ZeroConfig(max_reuse_distance=distance, prefetch_bucket_size=10**8)

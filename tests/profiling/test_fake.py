@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli import YafsdpError
@@ -79,8 +80,8 @@ def folder(tmp_path, name: str, dtype: str = "float32", **overrides):
 
 
 def real_and_fake(path, **kw):
-    real = profile_model(load_source(path), ProfileOptions(fake=False, **kw))
-    fake = profile_model(load_source(path), ProfileOptions(fake=True, **kw))
+    real = profile_model(load_source(path), options(ProfileOptions, fake=False, **kw))
+    fake = profile_model(load_source(path), options(ProfileOptions, fake=True, **kw))
     return real, fake
 
 
@@ -129,9 +130,10 @@ def test_checkpointing_keeps_fewer_activations(tmp_path):
     """With every layer checkpointed the forward keeps each layer's input only (fake
     equals real with and without it: the cases above)."""
     path = folder(tmp_path, "llama", "bfloat16")
-    plain = profile_model(load_source(path), ProfileOptions(batch=1, seq_len=512))
+    plain = profile_model(load_source(path), options(ProfileOptions, batch=1, seq_len=512))
     ckpt = profile_model(
-        load_source(path), ProfileOptions(batch=1, seq_len=512, checkpointing="non-reentrant")
+        load_source(path),
+        options(ProfileOptions, batch=1, seq_len=512, checkpointing="non-reentrant"),
     )
     assert ckpt.original.phase_peaks["forward"] < plain.original.phase_peaks["forward"]
     assert "activation_checkpointing_enable" in " ".join(ckpt.notes)
@@ -143,7 +145,7 @@ def test_sample_models_with_checkpointing(name):
         loaded = load_source(
             f"sample_models/{name}.safetensors", model=f"sample_models.models:{name}"
         )
-        return profile_model(loaded, ProfileOptions(batch=1, seq_len=64, **kw))
+        return profile_model(loaded, options(ProfileOptions, batch=1, seq_len=64, **kw))
 
     real, fake = run(checkpointing="non-reentrant"), run(checkpointing="non-reentrant", fake=True)
     assert_same_step(real, fake)
@@ -154,7 +156,7 @@ def test_checkpointing_without_units_is_an_error():
     with pytest.raises(YafsdpError, match="no repeated blocks to checkpoint.*--unit"):
         profile_model(
             load_source("sample_models/mlp.safetensors", model="sample_models.models:mlp"),
-            ProfileOptions(checkpointing="non-reentrant"),
+            options(ProfileOptions, checkpointing="non-reentrant"),
         )
 
 
@@ -179,7 +181,7 @@ def test_peak_by_module_names_the_swiglu_activations(tmp_path):
     sizes = [m.bytes for m in step.peak_modules]
     assert sizes == sorted(sizes, reverse=True)
     assert sum(sizes) <= step.peak.activations
-    opts = ProfileOptions(batch=1, seq_len=tokens, modules=3, fake=True)
+    opts = options(ProfileOptions, batch=1, seq_len=tokens, modules=3, fake=True)
     assert profile_model(load_source(path), opts).original.peak_modules == step.peak_modules[:3]
 
 
@@ -194,7 +196,9 @@ def test_peak_by_module_names_the_swiglu_activations(tmp_path):
 def test_sequence_longer_than_the_position_table(tmp_path, fake, name, tokens, limit):
     path = folder(tmp_path, name)
     with pytest.raises(YafsdpError, match=rf"--seq-len {tokens} is longer .*{re.escape(limit)}"):
-        profile_model(load_source(path), ProfileOptions(batch=1, seq_len=tokens, fake=fake))
+        profile_model(
+            load_source(path), options(ProfileOptions, batch=1, seq_len=tokens, fake=fake)
+        )
 
 
 def test_position_limit_from_the_cli_is_one_line(tmp_path):
@@ -218,7 +222,7 @@ def test_moe_fake_runs_in_float32_and_bfloat16(tmp_path):
     the CPU kernel takes."""
     for dtype in ("float32", "bfloat16"):
         path = folder(tmp_path, "mixtral", dtype)
-        fake = profile_model(load_source(path), ProfileOptions(fake=True, seq_len=32))
+        fake = profile_model(load_source(path), options(ProfileOptions, fake=True, seq_len=32))
         assert fake.converted_step.peak.total > 0
 
 
@@ -228,8 +232,8 @@ def test_cuda_target_keeps_no_attention_matrix(tmp_path):
     mem-efficient kernel (float32) keeps a (batch, heads, seq) log-sum-exp instead."""
     path = folder(tmp_path, "gpt2", n_positions=1024)
     kw = dict(fake=True, batch=1, seq_len=1024)
-    cpu = profile_model(load_source(path), ProfileOptions(**kw))
-    cuda = profile_model(load_source(path), ProfileOptions(target="cuda", **kw))
+    cpu = profile_model(load_source(path), options(ProfileOptions, **kw))
+    cuda = profile_model(load_source(path), options(ProfileOptions, target="cuda", **kw))
     assert cuda.kernels == {"efficient": 4}  # 2 layers, original and converted
     layers, heads = 2, NARROW["num_attention_heads"]
     dropped = cpu.original.peak.activations - cuda.original.peak.activations

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import options
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor
@@ -213,8 +214,10 @@ def test_cuda_efficient_pads_its_logsumexp_to_32():
 
 def test_cuda_target_rounds_and_names_its_kernels():
     loaded = lambda: load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")  # noqa: E731
-    cpu = profile_model(loaded(), ProfileOptions(fake=True, batch=1, seq_len=64))
-    cuda = profile_model(loaded(), ProfileOptions(fake=True, batch=1, seq_len=64, target="cuda"))
+    cpu = profile_model(loaded(), options(ProfileOptions, fake=True, batch=1, seq_len=64))
+    cuda = profile_model(
+        loaded(), options(ProfileOptions, fake=True, batch=1, seq_len=64, target="cuda")
+    )
     assert (cuda.target, cuda.round_bytes, cuda.optimizer_impl) == ("cuda", 512, "foreach")
     assert cuda.kernels == {"efficient": 4}  # 2 blocks, original and converted
     assert "--target cuda without a GPU" in " ".join(cuda.notes)
@@ -235,10 +238,12 @@ def test_cuda_target_recomputes_checkpointed_units_with_cuda_kernels(mode):
     non-reentrant checkpoint sees other tensors saved and fails, and the reentrant
     one silently recomputes the CPU's attention."""
     loaded = lambda: load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")  # noqa: E731
-    plain = profile_model(loaded(), ProfileOptions(fake=True, batch=1, seq_len=64, target="cuda"))
+    plain = profile_model(
+        loaded(), options(ProfileOptions, fake=True, batch=1, seq_len=64, target="cuda")
+    )
     ckpt = profile_model(
         loaded(),
-        ProfileOptions(fake=True, batch=1, seq_len=64, target="cuda", checkpointing=mode),
+        options(ProfileOptions, fake=True, batch=1, seq_len=64, target="cuda", checkpointing=mode),
     )
     assert plain.kernels == {"efficient": 4}
     assert ckpt.kernels == {"efficient": 8}  # each block's attention again in backward

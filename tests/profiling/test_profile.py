@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers import build
+from helpers import build, options
 from typer.testing import CliRunner
 
 from yafsdp_cli import convert_module, plan, spec_from_module
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.train_step import make_batch, step_loss
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.profiling import CATEGORIES, ProfileOptions, StorageTracker, profile_model
 from yafsdp_cli.sources import load_source
 
@@ -23,7 +24,7 @@ def loaded(name):
 
 
 def profile(name, **kw):
-    return profile_model(loaded(name), ProfileOptions(**kw))
+    return profile_model(loaded(name), options(ProfileOptions, **kw))
 
 
 def nbytes(tensors):
@@ -64,7 +65,7 @@ def test_categories_sum_to_the_peak_and_match_the_model_after_the_step():
 def test_sharded_persistent_part_is_per_rank():
     """At world size 4 the converted step starts and ends with shards only."""
     r = profile("llama", world_size=4, optimizer="adamw")
-    layout = plan(spec_from_module(build("llama")), world_size=4)
+    layout = plan(spec_from_module(build("llama")), LayoutOptions(world_size=4))
     shard_bytes = sum(b.nbytes // 4 for b in layout.buffers)
     end = r.converted_step.end
     assert end.parameters == shard_bytes
@@ -186,7 +187,7 @@ def test_unwritten_gradient_regions_read_as_zeros():
     """Regression (flat.py): the flat gradient is allocated uninitialized and what no
     gradient reached (padding, an unused entry) is zeroed when backward ends."""
     model = build("mlp")
-    flat = convert_module(model, plan(spec_from_module(model), world_size=3))
+    flat = convert_module(model, plan(spec_from_module(model), LayoutOptions(world_size=3)))
     x = make_batch(model).args[0]
     # net.0 is skipped: its entries get no gradient in this backward
     step_loss(model.net[2:](torch.nn.functional.gelu(x @ torch.ones(64, 128))), 0).backward()

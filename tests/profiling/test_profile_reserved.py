@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
@@ -28,13 +29,15 @@ CUDA = dict(fake=True, target="cuda", world_size=2)
 
 @pytest.fixture(scope="module")
 def report():
-    return profile_model(load_source(None, model=MODEL), ProfileOptions(**CUDA))
+    return profile_model(load_source(None, model=MODEL), options(ProfileOptions, **CUDA))
 
 
 def test_reserved_is_the_replay_of_the_step_trace(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     traces: dict = {}
-    r = profile_model(load_source(None, model=MODEL), ProfileOptions(**CUDA), traces=traces)
+    r = profile_model(
+        load_source(None, model=MODEL), options(ProfileOptions, **CUDA), traces=traces
+    )
     for step in (r.original, r.converted_step):
         est = reserved_of(traces[step.variant])
         assert step.reserved.reserved_peak == est.reserved_peak > 0
@@ -45,16 +48,16 @@ def test_reserved_is_the_replay_of_the_step_trace(monkeypatch):
 
 
 def test_alloc_conf_option_and_variable(monkeypatch):
-    opts = ProfileOptions(**CUDA, alloc_conf="expandable_segments:True")
+    opts = options(ProfileOptions, **CUDA, alloc_conf="expandable_segments:True")
     r = profile_model(load_source(None, model=MODEL), opts)
     assert r.converted_step.reserved.alloc_conf == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    r = profile_model(load_source(None, model=MODEL), ProfileOptions(**CUDA))
+    r = profile_model(load_source(None, model=MODEL), options(ProfileOptions, **CUDA))
     assert r.original.reserved.alloc_conf == "expandable_segments:True"
 
 
 def test_cpu_figures_have_no_reserved():
-    r = profile_model(load_source(None, model=MODEL), ProfileOptions(fake=True))
+    r = profile_model(load_source(None, model=MODEL), options(ProfileOptions, fake=True))
     assert r.original.reserved is None and r.outside is None
     assert json.loads(to_json(r))["outside"] is None
 
@@ -105,7 +108,7 @@ def test_cuda_peaks_start_from_a_clean_allocator_between_the_steps(monkeypatch):
         return real_step(tracker, *args)
 
     monkeypatch.setattr(profiler_module, "_tracked_step", step)
-    r = profile_model(load_source(None, model=MODEL), ProfileOptions(fake=True))
+    r = profile_model(load_source(None, model=MODEL), options(ProfileOptions, fake=True))
     marks = [c for c in calls if c != "synchronize"]
     clean = ["empty_cache", "reset_peak_memory_stats"]
     assert marks == [*clean, "step", "peak", *clean, "step", "peak"]
@@ -118,7 +121,7 @@ def test_cpu_runs_touch_no_cuda_call(monkeypatch):
 
     for name in ("empty_cache", "reset_peak_memory_stats", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, boom)
-    r = profile_model(load_source(None, model=MODEL), ProfileOptions(fake=True))
+    r = profile_model(load_source(None, model=MODEL), options(ProfileOptions, fake=True))
     assert r.original.cuda is None
 
 
@@ -163,10 +166,10 @@ def tensors_alive() -> int:
 def test_nothing_of_a_profile_outlives_it(opts):
     made = Made()
     loaded = made.watch(load_source(None, model=MODEL))
-    profile_model(loaded, ProfileOptions(**opts))  # first call: caches torch fills once
+    profile_model(loaded, options(ProfileOptions, **opts))  # first call: caches torch fills once
     base = tensors_alive()
     for _ in range(3):
-        profile_model(loaded, ProfileOptions(**opts))
+        profile_model(loaded, options(ProfileOptions, **opts))
     assert tensors_alive() == base
     if not opts.get("fake"):
         assert made.refs and made.alive() == []
@@ -176,8 +179,14 @@ def test_nothing_of_a_plan_outlives_it():
     from yafsdp_cli.planning import PlanOptions, plan_model
 
     loaded = load_source(None, model="sample_models.models:gpt")
-    opts = PlanOptions(
-        gpu_memory=2**30, reserve=0, seq_len=16, world_sizes=(1,), micro_batches=(1, 2), jobs=1
+    opts = options(
+        PlanOptions,
+        gpu_memory=2**30,
+        reserve=0,
+        seq_len=16,
+        world_sizes=(1,),
+        micro_batches=(1, 2),
+        jobs=1,
     )
     plan_model(loaded, opts)
     base = tensors_alive()

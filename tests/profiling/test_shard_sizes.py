@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import options
 
 from yafsdp_cli.planning import PlanOptions, plan_model
 from yafsdp_cli.profiling import ProfileOptions
@@ -34,7 +35,9 @@ def recorded(loaded, world_size: int, **kw) -> RecordedStep:
     steps: dict = {}
     base = dict(batch=2, seq_len=32, fake=True, target="cuda", param_dtype="bf16")
     base.update(round_bytes=512, optimizer_impl="foreach")
-    profile_converted(loaded, ProfileOptions(world_size=world_size, **{**base, **kw}), steps=steps)
+    profile_converted(
+        loaded, options(ProfileOptions, world_size=world_size, **{**base, **kw}), steps=steps
+    )
     return steps["converted"]
 
 
@@ -97,7 +100,8 @@ def test_what_cannot_be_rewritten_is_not(llama):
 def test_a_plan_of_rewritten_steps_equals_one_of_fake_steps_alone(llama, monkeypatch):
     """World sizes 1..8 and a reserved replay of the best row: the runs above world size
     1 take one step per micro-batch and checkpointing choice."""
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=1 << 30,
         reserve=0,
         world_sizes=(1, 2, 4, 8),
@@ -121,7 +125,7 @@ def test_the_runner_rewrites_a_step_it_has_and_runs_one_it_has_not(llama):
     above world size 1 takes no fake step, and its figures are the step's own."""
     from yafsdp_cli.planning.measure import Runner, measure_peaks
 
-    opts = PlanOptions(gpu_memory=1 << 30, world_sizes=(2, 4, 8), seq_len=64, jobs=1)
+    opts = options(PlanOptions, gpu_memory=1 << 30, world_sizes=(2, 4, 8), seq_len=64, jobs=1)
     runner = Runner(llama, opts, 64, lambda ws: 0)
     runner.prefetch([(2, 1, "none"), (2, 2, "none"), (8, 1, "none"), (1, 1, "none")])
     assert (runner.runs, runner.steps) == (4, 3)

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from helpers import options
 from rich.console import Console
 
 from tests.conftest import SAMPLES
@@ -31,7 +32,7 @@ def inspected():
 @pytest.fixture(scope="module")
 def profiled():
     loaded = load_source(None, model="sample_models.models:mlp")
-    return profile_model(loaded, ProfileOptions(seq_len=8, batch=2))
+    return profile_model(loaded, options(ProfileOptions, seq_len=8, batch=2))
 
 
 def rendered(renderables, width: int) -> list[str]:
@@ -120,7 +121,7 @@ def test_verify_gives_its_verdict_first(width):
     from yafsdp_cli.verify import VerifyOptions, verify_model
 
     report = verify_model(
-        load_source(None, model="sample_models.models:mlp"), VerifyOptions(steps=1)
+        load_source(None, model="sample_models.models:mlp"), options(VerifyOptions, steps=1)
     )
     lines = rendered(verify_view.to_rich(report), width)
     verdict = verify_view.verdict(report)
@@ -170,8 +171,13 @@ def planned():
     from yafsdp_cli.planning import PlanOptions, plan_model
 
     loaded = load_source(None, model="sample_models.models:gpt")
-    opts = PlanOptions(
-        gpu_memory=80 * 2**30, world_sizes=(1, 2), micro_batches=(1, 2), seq_len=16, jobs=1
+    opts = options(
+        PlanOptions,
+        gpu_memory=80 * 2**30,
+        world_sizes=(1, 2),
+        micro_batches=(1, 2),
+        seq_len=16,
+        jobs=1,
     )
     return plan_model(loaded, opts)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scheme_cases import AT_ONE, TODAY, figures, spec
 
-from yafsdp_cli import plan
+from yafsdp_cli import LayoutOptions, plan
 from yafsdp_cli.memory import MemoryConfig, estimate_memory
 from yafsdp_cli.schemes import FLAT, SHARDED, Holds
 
@@ -22,7 +22,7 @@ def test_memory_and_peaks_per_phase_are_todays():
 
 
 def test_its_memory_is_the_memory_models_flat_column():
-    layout = plan(spec(), world_size=4, units=("layers.*",))
+    layout = plan(spec(), LayoutOptions(world_size=4, units=("layers.*",)))
     report = estimate_memory(layout, MemoryConfig(round_bytes=1))
     assert report.flat.scheme is FLAT
     assert figures(FLAT)[0] == (

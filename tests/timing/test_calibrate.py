@@ -10,6 +10,7 @@ from collections import Counter
 import jsonschema
 import pytest
 import torch
+from helpers import options
 from torch import nn
 from typer.testing import CliRunner
 
@@ -41,7 +42,7 @@ GPU_SCHEMA = json.loads(SCHEMA_PATH.read_text())
 @pytest.fixture(scope="module")
 def measured():
     loaded = load_source(None, model="sample_models.models:llama")
-    opts = ProfileOptions(
+    opts = options(ProfileOptions,
         device="cpu", target="cpu", batch=2, seq_len=32, param_dtype="bf16",
         optimizer_impl="foreach",
     )  # fmt: skip

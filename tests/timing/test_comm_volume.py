@@ -10,6 +10,7 @@ from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.memory import MemoryConfig
 from yafsdp_cli.memory.fsdp2 import place
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.schemes import DDP, FLAT, FSDP2, ZERO1, timed
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.timing import Cluster, GpuSpec, collectives, ring_time, sent_bytes
@@ -24,7 +25,7 @@ def llama_spec():
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_flat_scheme_bytes_follow_the_layout_exactly(llama_spec, n):
-    layout = plan(llama_spec, world_size=n)
+    layout = plan(llama_spec, LayoutOptions(world_size=n))
     want = 0
     for b in layout.buffers:
         shard = b.shard_numel * b.nbytes // b.padded_numel  # bytes of one shard
@@ -40,7 +41,7 @@ def test_flat_scheme_bytes_follow_the_layout_exactly(llama_spec, n):
 
 def test_fsdp2_and_ddp_bytes_follow_the_layout_exactly(llama_spec):
     n = 4
-    layout = plan(llama_spec, world_size=n)
+    layout = plan(llama_spec, LayoutOptions(world_size=n))
     cfg = MemoryConfig(grad_dtype="float32")
     want = 0
     for p in place(layout, cfg):
@@ -53,12 +54,12 @@ def test_fsdp2_and_ddp_bytes_follow_the_layout_exactly(llama_spec):
     assert {c.kind for c in ddp} == {"all_reduce"}
     assert sum(c.bytes for c in ddp) == grads
     assert sent_bytes(ddp) == sum(2 * (n - 1) * -(-c.bytes // n) for c in ddp)
-    assert collectives(plan(llama_spec, world_size=1), "yafsdp") == ()
+    assert collectives(plan(llama_spec, LayoutOptions(world_size=1)), "yafsdp") == ()
 
 
 def test_an_unknown_scheme(llama_spec):
     with pytest.raises(YafsdpError, match="scheme 'zero4' is not one of yafsdp|fsdp2|ddp"):
-        collectives(plan(llama_spec, world_size=2), "zero4")
+        collectives(plan(llama_spec, LayoutOptions(world_size=2)), "zero4")
 
 
 def test_ring_time_on_the_node_and_beyond():
@@ -72,7 +73,7 @@ def test_ring_time_on_the_node_and_beyond():
 
 
 def test_a_scheme_and_its_timing_key_give_the_same_collectives(llama_spec):
-    layout = plan(llama_spec, world_size=4)
+    layout = plan(llama_spec, LayoutOptions(world_size=4))
     assert [s.timing_key for s in timed()] == ["yafsdp", "fsdp2", "ddp"]
     for scheme in (FLAT, FSDP2, DDP):
         assert collectives(layout, scheme) == collectives(layout, scheme.timing_key)
@@ -80,4 +81,4 @@ def test_a_scheme_and_its_timing_key_give_the_same_collectives(llama_spec):
 
 def test_a_scheme_without_collectives_is_refused(llama_spec):
     with pytest.raises(YafsdpError, match=r"scheme 'zero1' is not one of yafsdp\|fsdp2\|ddp"):
-        collectives(plan(llama_spec, world_size=2), ZERO1)
+        collectives(plan(llama_spec, LayoutOptions(world_size=2)), ZERO1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import options
 
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.timing import count_step
@@ -45,7 +46,7 @@ def analytic(model, batch: int, seq: int) -> int:
 
 
 def opts(**kw) -> ProfileOptions:
-    return ProfileOptions(fake=True, target="cuda", **{"batch": 2, "seq_len": 128, **kw})
+    return options(ProfileOptions, fake=True, target="cuda", **{"batch": 2, "seq_len": 128, **kw})
 
 
 @pytest.mark.parametrize("factory", [llama, gpt2], ids=["llama", "gpt2"])

@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
-from helpers import run_gpu_bench_without_gpu
+from helpers import options, run_gpu_bench_without_gpu
 
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.timing import (
     GPUS,
@@ -196,9 +197,11 @@ def test_a_step_estimate_adds_up(llama_spec):
     from yafsdp_cli.timing import count_step, estimate_step
 
     loaded = load_source(None, model="sample_models.models:llama")
-    costs = count_step(loaded, ProfileOptions(fake=True, target="cuda", batch=2, seq_len=64))
+    costs = count_step(
+        loaded, options(ProfileOptions, fake=True, target="cuda", batch=2, seq_len=64)
+    )
     gpu = gpu_spec("H100-SXM")
-    one = estimate_step(costs, plan(llama_spec, world_size=1), gpu)
+    one = estimate_step(costs, plan(llama_spec, LayoutOptions(world_size=1)), gpu)
     assert one.comm_s == one.exposed_comm_s == one.sent_bytes == 0
     assert one.step_s == pytest.approx(one.forward_s + one.backward_s + one.optimizer_s)
     assert one.tokens_per_s == pytest.approx(128 / one.step_s)
@@ -206,7 +209,9 @@ def test_a_step_estimate_adds_up(llama_spec):
         costs.model_flops / (gpu.bf16_flops * one.step_s)
     )  # bf16 products
     for scheme in ("yafsdp", "fsdp2", "ddp"):
-        est = estimate_step(costs, plan(llama_spec, world_size=4), gpu, scheme=scheme)
+        est = estimate_step(
+            costs, plan(llama_spec, LayoutOptions(world_size=4)), gpu, scheme=scheme
+        )
         assert 0 < est.exposed_comm_s <= est.comm_s
         assert est.step_s == pytest.approx(
             est.forward_s + est.backward_s + est.exposed_comm_s + est.optimizer_s

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 import yafsdp_cli.verify.run_plan as run_plan
@@ -90,7 +91,7 @@ def test_cgroup_limits_are_read(tmp_path):
 
 
 def test_the_estimate_is_in_the_report_beside_the_measured_peak():
-    report = verify_model(loaded("mlp"), VerifyOptions(steps=1))
+    report = verify_model(loaded("mlp"), options(VerifyOptions, steps=1))
     assert report.ok and report.budget is not None and report.budget.fits
     est = report.budget.estimate
     assert est.params > 0 and est.grads == est.params and est.optimizer == 2 * est.params
@@ -108,7 +109,7 @@ def _comparable(report):
 
 
 def test_sequential_equals_side_by_side_on_every_sample(sample_name):
-    opts = VerifyOptions(steps=2, top=1000)
+    opts = options(VerifyOptions, steps=2, top=1000)
     new = run_single(prepare(loaded(sample_name), opts), opts)
     old = verify_side_by_side.run_single(prepare(loaded(sample_name), opts), opts)
     assert _comparable(new) == _comparable(old)
@@ -139,7 +140,7 @@ def test_a_steps_gradients_are_freed_before_the_next_backward(monkeypatch):
     monkeypatch.setattr(single.ReferenceStore, "save_step", save_step)
     monkeypatch.setattr(single, "forward_backward", forward_backward)
     loaded = load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")
-    report = verify_model(loaded, VerifyOptions(steps=3))
+    report = verify_model(loaded, options(VerifyOptions, steps=3))
     assert report.ok and stored
     assert alive_at_backward and max(alive_at_backward) == 0, alive_at_backward
 
@@ -149,7 +150,7 @@ def test_sequential_equals_side_by_side_on_a_failure(monkeypatch):
 
     _split_tie(monkeypatch)
     monkeypatch.setattr(verify_side_by_side, "convert_module", fit_convert())
-    opts = VerifyOptions(steps=2, top=1000)
+    opts = options(VerifyOptions, steps=2, top=1000)
     new = run_single(prepare(loaded("gpt"), opts), opts)
     old = verify_side_by_side.run_single(prepare(loaded("gpt"), opts), opts)
     assert not new.ok and new.failures > 0
@@ -185,7 +186,7 @@ def tied_llama(tmp_path):
 
 def test_blocks_keep_real_weights_and_the_tie(tied_llama):
     path, model = tied_llama
-    opts = VerifyOptions(steps=2, blocks="0,3", top=1000)
+    opts = options(VerifyOptions, steps=2, blocks="0,3", top=1000)
     module = prepare(load_source(str(path)), opts).original
     assert len(module.model.layers) == 2
     assert module.lm_head.weight is module.model.embed_tokens.weight  # the tie survives
@@ -202,7 +203,7 @@ def test_blocks_keep_real_weights_and_the_tie(tied_llama):
 
 def test_the_most_blocks_that_fit_are_chosen(tied_llama, monkeypatch):
     path, _ = tied_llama
-    source, opts = load_source(str(path)), VerifyOptions(steps=1)
+    source, opts = load_source(str(path)), options(VerifyOptions, steps=1)
     big = Available(2**50, "x")
     two, three = (
         run_plan.budget_for(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 import yafsdp_cli.engine.flat as flat_engine
@@ -75,7 +76,7 @@ def test_a_thread_count_changed_between_the_runs(monkeypatch, remedy):
     if not remedy:  # no pinning before the converted model's run
         monkeypatch.setattr(verify_single, "apply", lambda threads: None)
     try:
-        report = verify_model(loaded("gpt"), VerifyOptions(steps=1))
+        report = verify_model(loaded("gpt"), options(VerifyOptions, steps=1))
     finally:
         torch.set_num_threads(before)
     if remedy:
@@ -120,7 +121,7 @@ UNDER_LOAD = textwrap.dedent(
 
     single.convert_module = convert
     src = load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")
-    r = verify_model(src, VerifyOptions(steps=1))
+    r = verify_model(src, options(VerifyOptions, steps=1))
     print(json.dumps({{"ok": r.ok, "reproducible": r.reproducible, "pinned": r.pinned}}))
     """
 )
@@ -193,7 +194,7 @@ def test_the_flat_buffers_alignment_does_not_change_the_numbers(monkeypatch, shi
 
     monkeypatch.setattr(flat_engine, "torch", _torch_with(zeros))
     for name in ("gpt", "llama"):
-        report = verify_model(loaded(name), VerifyOptions(steps=1))
+        report = verify_model(loaded(name), options(VerifyOptions, steps=1))
         assert report.ok, (name, report.first_failure)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import options
 from torch import nn
 
 from yafsdp_cli.engine.train_step import make_optimizer
@@ -94,7 +95,7 @@ def test_verify_holds_no_optimizer_state_through_forward_and_backward(monkeypatc
     monkeypatch.setattr(verify_single, "OffloadedOptimizer", Spy)
     monkeypatch.setattr(verify_single, "forward_backward", forward_backward)
     src = load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")
-    report = verify_model(src, VerifyOptions(steps=3))
+    report = verify_model(src, options(VerifyOptions, steps=3))
     assert report.ok, report.first_failure
     assert len(made) == 2 and len(resident) == 12
     assert resident == [0] * 12
@@ -103,7 +104,7 @@ def test_verify_holds_no_optimizer_state_through_forward_and_backward(monkeypatc
 
 def test_the_estimate_counts_one_parameters_state_at_once():
     src = load_source("sample_models/llama.safetensors", model="sample_models.models:llama")
-    report = verify_model(src, VerifyOptions(steps=1))
+    report = verify_model(src, options(VerifyOptions, steps=1))
     est = report.budget.estimate
     assert 0 < est.resident_optimizer < est.optimizer
     assert est.resident_state == est.params + est.grads + est.buffers + est.resident_optimizer

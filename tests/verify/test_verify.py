@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import options
 from torch import nn
 from typer.testing import CliRunner
 
@@ -48,7 +49,7 @@ def test_every_sample_model_matches_exactly(sample_name):
 
 
 def test_tied_names_are_compared_one_by_one():
-    report = verify_model(loaded("gpt"), VerifyOptions(steps=1, top=1000))
+    report = verify_model(loaded("gpt"), options(VerifyOptions, steps=1, top=1000))
     names = {(d.kind, d.name) for d in report.worst}
     assert ("gradient", "lm_head.weight") in names
     assert ("gradient", "transformer.wte.weight") in names
@@ -57,7 +58,9 @@ def test_tied_names_are_compared_one_by_one():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "none"])
 def test_other_optimizers_and_a_partial_conversion(optimizer):
-    report = verify_model(loaded("llama"), VerifyOptions(optimizer=optimizer, filters=("linear",)))
+    report = verify_model(
+        loaded("llama"), options(VerifyOptions, optimizer=optimizer, filters=("linear",))
+    )
     assert report.ok, report.first_failure
     assert report.kept == 6  # embedding and norms stay ordinary parameters
     assert report.converted == 15  # 7 Linear weights per layer x 2 + lm_head
@@ -76,7 +79,7 @@ def _split_tie(monkeypatch):
 
 def test_a_split_tie_fails_and_names_the_tensor(monkeypatch):
     _split_tie(monkeypatch)
-    report = verify_model(loaded("gpt"), VerifyOptions(steps=1))
+    report = verify_model(loaded("gpt"), options(VerifyOptions, steps=1))
     assert not report.ok
     assert report.first_failure.kind == "gradient"
     assert report.first_failure.name in ("lm_head.weight", "transformer.wte.weight")
@@ -145,7 +148,7 @@ def test_markdown():
 def test_input_shape_is_used():
     report = verify_model(
         load_source(None, model="sample_models.models:gpt"),
-        VerifyOptions(steps=1, input_shape=(3, 5)),
+        options(VerifyOptions, steps=1, input_shape=(3, 5)),
     )
     assert report.ok
 
@@ -180,7 +183,7 @@ def test_pickled_module_with_trust():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_a_gpu_says_so():
     with pytest.raises(YafsdpError, match="no CUDA device"):
-        verify_model(loaded("mlp"), VerifyOptions(device="cuda"))
+        verify_model(loaded("mlp"), options(VerifyOptions, device="cuda"))
 
 
 # -- the comparison itself ------------------------------------------------------------
@@ -234,9 +237,9 @@ def test_held_bytes_counts_each_storage_once():
 
 def test_options_are_checked():
     with pytest.raises(YafsdpError, match="--steps must be at least 1"):
-        VerifyOptions(steps=0)
+        options(VerifyOptions, steps=0)
     with pytest.raises(YafsdpError, match="--device 'tpu'"):
-        VerifyOptions(device="tpu")
+        options(VerifyOptions, device="tpu")
 
 
 FROZEN_AND_UNUSED = """

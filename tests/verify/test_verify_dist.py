@@ -7,6 +7,7 @@ import json
 import gloo_exit
 import pytest
 from conftest import SAMPLE_NAMES
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli import YafsdpError
@@ -14,6 +15,7 @@ from yafsdp_cli.cli import app
 from yafsdp_cli.engine.module_spec import spec_from_module
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.memory.estimate import MemoryConfig, estimate_memory
+from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify.dist import _first_error, launched_by_torchrun, run_world, torchrun_rank
 from yafsdp_cli.verify.harness import VerifyOptions
@@ -29,7 +31,7 @@ def two_rank_reports():
             f"sample_models/{n}.safetensors",
             f"sample_models.models:{n}",
             False,
-            VerifyOptions(world_size=2),
+            options(VerifyOptions, world_size=2),
         )
         for n in SAMPLE_NAMES
     ]
@@ -51,7 +53,7 @@ def test_each_rank_holds_what_the_memory_model_says(two_rank_reports, sample_nam
     report = two_rank_reports[sample_name]
     assert [m.rank for m in report.memory] == [0, 1]
     model = load_source(None, model=f"sample_models.models:{sample_name}").build_module()
-    layout = plan(spec_from_module(model), world_size=2)
+    layout = plan(spec_from_module(model), LayoutOptions(world_size=2))
     modeled = estimate_memory(
         layout, MemoryConfig(optimizer="adamw", master_weights=False, round_bytes=1)
     ).flat
@@ -121,7 +123,7 @@ def test_torchrun_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert launched_by_torchrun()
     with pytest.raises(YafsdpError, match="--world-size 3 but torchrun started 2 ranks"):
-        torchrun_rank(None, "sample_models.models:mlp", False, VerifyOptions(world_size=3))
+        torchrun_rank(None, "sample_models.models:mlp", False, options(VerifyOptions, world_size=3))
 
 
 def test_a_rank_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
@@ -44,7 +45,7 @@ def folders(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_verify_matches_exactly_in_one_process(folders, name):
-    report = verify_model(load_source(folders[name]), VerifyOptions(steps=2))
+    report = verify_model(load_source(folders[name]), options(VerifyOptions, steps=2))
     assert report.ok, report.first_failure
     assert report.memory[0].ok
 
@@ -62,7 +63,9 @@ def test_inputs_follow_the_config(folders):
 def test_verify_matches_on_two_ranks(folders):
     """Tied, shared-four-ways + encoder-decoder, and bf16, in one launch."""
     names = ("gpt2", "t5", "llama", "mixtral")
-    jobs = [(str(folders[n]), None, False, VerifyOptions(world_size=2, steps=2)) for n in names]
+    jobs = [
+        (str(folders[n]), None, False, options(VerifyOptions, world_size=2, steps=2)) for n in names
+    ]
     for name, report in zip(names, run_world(jobs)):
         assert report.ok, (name, report.first_failure)
         assert all(m.ok for m in report.memory), name
@@ -70,8 +73,8 @@ def test_verify_matches_on_two_ranks(folders):
 
 @pytest.mark.parametrize("name", ["gpt2", "t5", "bert"])
 def test_fake_profile_equals_the_real_one(folders, name):
-    real = profile_source(folders[name], opts=ProfileOptions(world_size=2))
-    fake = profile_source(folders[name], opts=ProfileOptions(world_size=2, fake=True))
+    real = profile_source(folders[name], opts=options(ProfileOptions, world_size=2))
+    fake = profile_source(folders[name], opts=options(ProfileOptions, world_size=2, fake=True))
     assert real.original.peak == fake.original.peak
     assert real.converted_step.peak == fake.converted_step.peak
     assert real.converted_step.peak.total < real.original.peak.total

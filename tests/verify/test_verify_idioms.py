@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from conftest import SAMPLE_NAMES
+from helpers import options
 from torch._inductor.utils import run_and_get_code
 from typer.testing import CliRunner
 
@@ -29,12 +30,12 @@ def loaded(name):
 
 def job(name: str, **opts) -> tuple:
     source, model = f"sample_models/{name}.safetensors", f"sample_models.models:{name}"
-    return (source, model, False, VerifyOptions(units=UNITS.get(name), **opts))
+    return (source, model, False, options(VerifyOptions, units=UNITS.get(name), **opts))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_sample_under_checkpointing(sample_name, mode):
-    opts = VerifyOptions(checkpointing=mode, steps=2, units=UNITS.get(sample_name))
+    opts = options(VerifyOptions, checkpointing=mode, steps=2, units=UNITS.get(sample_name))
     report = verify_model(loaded(sample_name), opts)
     assert report.ok, report.first_failure
     assert all(d.max_abs == 0 for d in report.worst)
@@ -58,7 +59,7 @@ def test_every_sample_under_checkpointing_on_two_ranks(two_rank_idioms, sample_n
 
 def test_every_sample_compiled():
     for name in SAMPLE_NAMES:
-        report = verify_model(loaded(name), VerifyOptions(compile=True, steps=2))
+        report = verify_model(loaded(name), options(VerifyOptions, compile=True, steps=2))
         assert report.ok, (name, report.first_failure)
         assert any("torch.compile" in n for n in report.notes)
 
@@ -95,7 +96,7 @@ def test_verify_runs_both_models_deterministically(monkeypatch, compile_):
         return real(model, batch, seed)
 
     monkeypatch.setattr(verify_single, "forward_backward", spy)
-    report = verify_model(loaded("gpt"), VerifyOptions(compile=compile_, steps=1))
+    report = verify_model(loaded("gpt"), options(VerifyOptions, compile=compile_, steps=1))
     assert report.ok, report.first_failure
     assert len(seen) == 4  # two micro-batches on each model
     assert seen == [True] * 4  # both models, eager or compiled

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import options
 
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
@@ -66,7 +67,7 @@ def test_dropout_model_is_bit_exact_in_every_process(gpt2_with_dropout):
 
 def test_dropout_model_is_bit_exact_run_after_run_in_one_process(gpt2_with_dropout):
     loaded = load_source(str(gpt2_with_dropout))
-    opts = VerifyOptions(filters=("linear",), optimizer="sgd", steps=2)
+    opts = options(VerifyOptions, filters=("linear",), optimizer="sgd", steps=2)
     keep = []
     for i in range(12):
         torch.set_num_threads(1 + i % 2)

@@ -76,11 +76,7 @@ def convert_checkpoint(
     refuse_flat_source(loaded)
     planned = plan(
         loaded.spec,
-        filters=list(options.filters),
-        excludes=list(options.excludes),
-        units=list(options.units) if options.units else None,
-        world_size=options.world_size,
-        align=options.align,
+        options,
     )
     return write_converted(
         loaded,

@@ -27,31 +27,15 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    layout_given,
     number,
     render,
+    step_given,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .root import app
 
 PERCENT = number(0, MAX_PERCENT, whole=False)  # a growth in percent, finite and at least 0
-
-# the options a baseline records: given, they replace the recorded ones
-GIVEN = (
-    "filters",
-    "excludes",
-    "units",
-    "world_size",
-    "align",
-    "param_dtype",
-    "grad_dtype",
-    "freeze",
-    "lora",
-    "quantize",
-    "optimizer",
-    "batch",
-    "seq_len",
-    "checkpointing",
-)
 
 
 @app.command("check")
@@ -133,10 +117,6 @@ def check_command(
         if plan_doc is not None:
             _recheck_plan(plan_doc, update, trust_pickle, f"baseline {baseline}")
             return
-        values = locals()
-        given = {k: values[k] for k in GIVEN if values[k] not in (None, [])}
-        if "freeze" in given:
-            given["freeze"] = tuple(given["freeze"])
         outcome = run_check(
             CheckRequest(
                 baseline=baseline,
@@ -145,7 +125,25 @@ def check_command(
                 update=update,
                 tolerance=tolerance,
                 step_tolerance=step_tolerance,
-                given=given,
+                # the options a baseline records: given, they replace the recorded ones
+                layout_given=layout_given(
+                    filters=filters,
+                    excludes=excludes,
+                    units=units,
+                    world_size=world_size,
+                    align=align,
+                ),
+                step_given=step_given(
+                    param_dtype=param_dtype,
+                    grad_dtype=grad_dtype,
+                    freeze=freeze,
+                    lora=lora,
+                    quantize=quantize,
+                    optimizer=optimizer,
+                    batch=batch,
+                    seq_len=seq_len,
+                    checkpointing=checkpointing,
+                ),
                 step=not no_step,
                 trust_pickle=trust_pickle,
             )

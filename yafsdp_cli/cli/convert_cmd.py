@@ -20,6 +20,7 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    layout_from,
     print_lines,
 )
 from .progress import ProgressBar
@@ -97,10 +98,11 @@ def convert_command(
         from ..options import LayoutOptions  # here: restore and reshard need no options
         from ..report import checkpoint_view as view
 
-        layout = LayoutOptions(
-            filters=filters or (),
-            excludes=excludes or (),
-            units=units or None,
+        layout = layout_from(
+            LayoutOptions(),
+            filters=filters,
+            excludes=excludes,
+            units=units,
             world_size=world_size,
             align=align,
         )
@@ -203,4 +205,4 @@ def _model_check(loaded, layout):
     process), imported only when --verify asks for it."""
     from ..verify import model_check
 
-    return model_check(loaded, {"layout": layout})
+    return model_check(loaded, layout)

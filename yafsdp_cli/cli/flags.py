@@ -1,16 +1,18 @@
 """Every option the commands share, declared once, and what turns them into options.
 
 A command declares its parameters with these annotations (a command's own options
-stay in its module) and hands its values to ``options_from``, which builds the
-library's options model (``yafsdp_cli.options``) from them: the pieces validate.
-Defaults stay in each command's signature, since commands differ in them (plan's
+stay in its module) and builds each piece of the library's options model
+(``yafsdp_cli.options``) with that piece's builder below (``layout_from``,
+``step_from``, ``memory_from``), naming every value: the pieces validate. Defaults
+stay in each command's signature, since commands differ in them (plan's
 --param-dtype is bf16, check's options default to what its baseline recorded).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -24,6 +26,9 @@ from ..numbers import (
     problem,
 )
 from .command_kit import stdout
+
+if TYPE_CHECKING:
+    from ..options import LayoutOptions, MemoryOptions, StepOptions
 
 
 def number(low, high, *, whole: bool = True, above: bool = False):
@@ -320,19 +325,120 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
-def options_from(cls, values: dict[str, Any], **parsed: Any):
-    """``cls`` (a ``yafsdp_cli.options.Composed``) from a command's parameter values:
-    those ``cls`` takes, Typer's lists as tuples, no --unit as the detected units,
-    ``--input-shape`` parsed; ``parsed`` (values the command parsed itself) win."""
-    given = {k: values[k] for k in cls.FIELDS if k in values}
-    for key in ("filters", "excludes", "freeze"):
-        if key in given:
-            given[key] = tuple(given[key] or ())
-    if "units" in given:
-        given["units"] = tuple(given["units"]) if given["units"] else None
-    if "input_shape" in given:
-        given["input_shape"] = parse_shape(given["input_shape"])
-    return cls(**{**given, **parsed})
+# One builder per piece: a command hands each piece's builder the values of its
+# options by the piece's field names. A value of None (an option not given; Typer's
+# empty list too) keeps the ``base`` piece's: the command's own defaults, or for
+# ``check`` what the baseline recorded. A misspelt name is a TypeError at the call,
+# and ``tests/cli/test_flags.py`` checks every command's parameters against them.
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None and v != []}
+
+
+def layout_given(
+    *,
+    filters: list[str] | None = None,
+    excludes: list[str] | None = None,
+    units: list[str] | None = None,
+    world_size: int | None = None,
+    align: str | None = None,
+) -> dict[str, Any]:
+    """The layout piece's fields given on the command line, as the piece holds them."""
+    given = _given(
+        {
+            "filters": filters,
+            "excludes": excludes,
+            "units": units,
+            "world_size": world_size,
+            "align": align,
+        }
+    )
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+
+
+def layout_from(base: LayoutOptions, **given: Any) -> LayoutOptions:
+    """``base`` with the layout options given (``layout_given``'s keywords)."""
+    return dataclasses.replace(base, **layout_given(**given))
+
+
+def step_given(
+    *,
+    optimizer: str | None = None,
+    optimizer_impl: str | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    input_shape: str | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+    target: str | None = None,
+    checkpointing: str | None = None,
+    param_dtype: str | None = None,
+    grad_dtype: str | None = None,
+    freeze: list[str] | None = None,
+    lora: str | None = None,
+    quantize: str | None = None,
+) -> dict[str, Any]:
+    """The step piece's fields given on the command line; ``--input-shape`` parsed."""
+    given = _given(
+        {
+            "optimizer": optimizer,
+            "optimizer_impl": optimizer_impl,
+            "batch": batch,
+            "seq_len": seq_len,
+            "input_shape": parse_shape(input_shape),
+            "seed": seed,
+            "device": device,
+            "target": target,
+            "checkpointing": checkpointing,
+            "param_dtype": param_dtype,
+            "grad_dtype": grad_dtype,
+            "freeze": freeze,
+            "lora": lora,
+            "quantize": quantize,
+        }
+    )
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+
+
+def step_from(base: StepOptions, **given: Any) -> StepOptions:
+    """``base`` with the step options given (``step_given``'s keywords)."""
+    return dataclasses.replace(base, **step_given(**given))
+
+
+def memory_given(
+    *,
+    gpu_memory: int | None = None,
+    reserve: int | None = None,
+    outside: tuple[tuple[str, int], ...] | None = None,
+    margin: int | None = None,
+    master_weights: bool | None = None,
+    round_bytes: int | None = None,
+    fsdp_placement: str | None = None,
+    alloc_conf: str | None = None,
+) -> dict[str, Any]:
+    """The memory piece's fields given on the command line (sizes in bytes: the
+    command parses their text with ``options.sizes``)."""
+    return _given(
+        {
+            "gpu_memory": gpu_memory,
+            "reserve": reserve,
+            "outside": outside,
+            "margin": margin,
+            "master_weights": master_weights,
+            "round_bytes": round_bytes,
+            "fsdp_placement": fsdp_placement,
+            "alloc_conf": alloc_conf,
+        }
+    )
+
+
+def memory_from(base: MemoryOptions, **given: Any) -> MemoryOptions:
+    """``base`` with the memory options given (``memory_given``'s keywords)."""
+    return dataclasses.replace(base, **memory_given(**given))
+
+
+BUILDERS = {"layout": layout_given, "step": step_given, "memory": memory_given}
 
 
 def render(view, report, fmt: str, *, explain: bool = False, **options: Any) -> None:

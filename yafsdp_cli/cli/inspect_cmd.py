@@ -27,8 +27,10 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
-    options_from,
+    layout_from,
+    memory_from,
     render,
+    step_from,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .root import app
@@ -78,7 +80,32 @@ def inspect_command(
         from ..report import inspect_view as view
         from ..sources import load_source
 
-        opts = options_from(InspectOptions, locals())
+        base = InspectOptions()
+        opts = InspectOptions(
+            layout=layout_from(
+                base.layout,
+                filters=filters,
+                excludes=excludes,
+                units=units,
+                world_size=world_size,
+                align=align,
+            ),
+            step=step_from(
+                base.step,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                freeze=freeze,
+                lora=lora,
+                quantize=quantize,
+                optimizer=optimizer,
+            ),
+            memory=memory_from(
+                base.memory,
+                master_weights=master_weights,
+                fsdp_placement=fsdp_placement,
+                round_bytes=round_bytes,
+            ),
+        )
         loaded = load_source(source, model=model, trust_pickle=trust_pickle)
         report = inspect_model(loaded, opts, model=model)
         if html is not None:

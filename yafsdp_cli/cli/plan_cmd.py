@@ -36,9 +36,11 @@ from .flags import (
     TargetOpt,
     TrustPickleOpt,
     UnitOpt,
+    layout_from,
+    memory_from,
     number,
-    options_from,
     render,
+    step_from,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .root import app
@@ -146,10 +148,57 @@ def plan_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
-        from ..planning import plan_source
+        from ..errors import YafsdpError
+        from ..options import LayoutOptions
+        from ..options.sizes import memory_sizes
+        from ..planning import PlanOptions, parse_ints, plan_source
+        from ..planning.plan_options import PLAN_MEMORY, PLAN_STEP, parse_count, parse_rate
         from ..report import plan_view as view
+        from ..schemes import check_names as check_schemes
 
-        opts, notes = _options(locals())
+        if not (gpu_memory or gpu or gpu_profile):
+            raise YafsdpError(
+                "give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)"
+            )
+        sizes = memory_sizes(gpu_memory=gpu_memory, reserve=reserve, outside=outside)
+        opts = PlanOptions(
+            layout=layout_from(
+                LayoutOptions(), filters=filters, excludes=excludes, units=units, align=align
+            ),
+            step=step_from(
+                PLAN_STEP,
+                seq_len=seq_len,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                freeze=freeze,
+                lora=lora,
+                quantize=quantize,
+                optimizer=optimizer,
+                optimizer_impl=optimizer_impl,
+                target=target,
+                seed=seed,
+            ),
+            # --margin, a share of the GPU's memory, once a named GPU is resolved
+            memory=memory_from(
+                PLAN_MEMORY,
+                gpu_memory=sizes.gpu_memory,
+                reserve=sizes.reserve,
+                outside=sizes.outside,
+                alloc_conf=alloc_conf,
+            ),
+            world_sizes=parse_ints(world_size, "--world-size"),
+            micro_batches=parse_ints(micro_batch, "--micro-batch"),
+            checkpointing=tuple(dict.fromkeys(c for c in checkpointing.split(",") if c)),
+            jobs=jobs,
+            schemes=check_schemes(scheme),
+            gpu=gpu,
+            gpu_profile=gpu_profile,
+            network=parse_rate(network, "--network"),
+            objective=objective,
+            tokens=parse_count(tokens, "--tokens"),
+        )
+        opts = _held_and_margin(opts, margin)
+        notes = sizes.notes
         for note in notes:
             stderr.print(f"note: {note}", markup=False, highlight=False)
         with interrupt_ends_at_once():
@@ -159,45 +208,17 @@ def plan_command(
         render(view, report, fmt, explain=explain)
 
 
-def _options(a: dict):
-    """The command's ``PlanOptions`` from its typed arguments ``a``, and the notes to
-    print (how a size was read)."""
-    from ..errors import YafsdpError
-    from ..options import check_reserve, si_echo
-    from ..planning import PlanOptions, gpu_memory_notes, parse_ints, parse_size
-    from ..planning.plan_options import parse_count, parse_margin, parse_outside, parse_rate
+def _held_and_margin(opts, margin: str | None):
+    """``opts`` once the GPU's memory is known: the itemised memory beside the
+    allocator leaves room on it (``--reserve`` beside ``--gpu-memory`` is checked as
+    the sizes are read), and ``--margin`` in bytes."""
+    from ..options import check_reserve
+    from ..options.sizes import parse_margin
     from ..planning.reserved_fit import outside_at
-    from ..schemes import check_names as check_schemes
 
-    gpu_memory, reserve, margin = a["gpu_memory"], a["reserve"], a["margin"]
-    if not (gpu_memory or a["gpu"] or a["gpu_profile"]):
-        raise YafsdpError("give --gpu-memory, the memory of one GPU, e.g. 80GiB (or --gpu NAME)")
-    if gpu_memory and reserve is not None:  # the error blames the option typed
-        check_reserve(
-            parse_size(gpu_memory, "--gpu-memory"),
-            parse_size(reserve, "--reserve"),
-            reserve_typed=True,
-        )
-    opts = options_from(
-        PlanOptions,
-        a,
-        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None,
-        network=parse_rate(a["network"], "--network"),
-        tokens=parse_count(a["tokens"], "--tokens"),
-        world_sizes=parse_ints(a["world_size"], "--world-size"),
-        micro_batches=parse_ints(a["micro_batch"], "--micro-batch"),
-        checkpointing=tuple(dict.fromkeys(c for c in a["checkpointing"].split(",") if c)),
-        reserve=None if reserve is None else parse_size(reserve, "--reserve"),
-        outside=parse_outside(a["outside"]),
-        margin=None,  # a share of the GPU's memory, known once a named GPU is resolved
-        schemes=check_schemes(a["scheme"]),
-    )
-    if reserve is None and opts.gpu_memory:  # the itemised parts, at their smallest
-        check_reserve(opts.gpu_memory, outside_at(opts, 1).total, reserve_typed=False)
-    if margin is not None:
-        kept = parse_margin(margin, opts.memory.gpu_memory)
-        opts = replace(opts, memory=replace(opts.memory, margin=kept))
-    notes = list(gpu_memory_notes(gpu_memory)) if gpu_memory else []
-    if reserve is not None:
-        notes += filter(None, [si_echo(reserve, "--reserve")])
-    return opts, notes
+    memory = opts.memory
+    if memory.reserve is None:  # the itemised parts, at their smallest
+        check_reserve(memory.gpu_memory, outside_at(opts, 1).total, reserve_typed=False)
+    if margin is None:
+        return opts
+    return replace(opts, memory=replace(memory, margin=parse_margin(margin, memory.gpu_memory)))

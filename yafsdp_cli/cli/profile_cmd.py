@@ -36,9 +36,11 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    layout_from,
+    memory_from,
     number,
-    options_from,
     render,
+    step_from,
 )
 from .html_out import HtmlOpt, check_html_path, write_html
 from .progress import StageBar
@@ -112,7 +114,39 @@ def profile_command(
         from ..profiling.profiler import STAGES
         from ..report import profile_view as view
 
-        opts = options_from(ProfileOptions, locals())
+        base = ProfileOptions()
+        opts = ProfileOptions(
+            layout=layout_from(
+                base.layout,
+                filters=filters,
+                excludes=excludes,
+                units=units,
+                world_size=world_size,
+                align=align,
+            ),
+            step=step_from(
+                base.step,
+                optimizer=optimizer,
+                optimizer_impl=optimizer_impl,
+                batch=batch,
+                seq_len=seq_len,
+                input_shape=input_shape,
+                seed=seed,
+                device=device,
+                target=target,
+                checkpointing=checkpointing,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                freeze=freeze,
+                lora=lora,
+                quantize=quantize,
+            ),
+            memory=memory_from(base.memory, alloc_conf=alloc_conf),
+            fake=fake,
+            per_module=per_module,
+            depth=depth,
+            modules=modules,
+        )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar, interrupt_ends_at_once():
             report = profile_source(
                 source, model=model, trust_pickle=trust_pickle, opts=opts, progress=bar

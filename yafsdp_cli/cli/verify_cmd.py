@@ -35,9 +35,10 @@ from .flags import (
     TrustPickleOpt,
     UnitOpt,
     WorldSizeOpt,
+    layout_from,
     number,
-    options_from,
     render,
+    step_from,
 )
 from .progress import WaitBar
 from .root import app
@@ -125,7 +126,34 @@ def verify_command(
         from ..verify import MemoryBudgetError, VerifyOptions, verify_source
         from ..verify.dist import is_primary, launched_by_torchrun
 
-        opts = options_from(VerifyOptions, locals(), compile=compile_)
+        base = VerifyOptions()
+        opts = VerifyOptions(
+            layout=layout_from(
+                base.layout,
+                filters=filters,
+                excludes=excludes,
+                units=units,
+                world_size=world_size,
+                align=align,
+            ),
+            step=step_from(
+                base.step,
+                optimizer=optimizer,
+                batch=batch,
+                seq_len=seq_len,
+                input_shape=input_shape,
+                seed=seed,
+                device=device,
+                checkpointing=checkpointing,
+            ),
+            steps=steps,
+            micro_batches=micro_batches,
+            atol=atol,
+            rtol=rtol,
+            top=top,
+            compile=compile_,
+            blocks=blocks,
+        )
         # the ranks are other processes: a pulsing bar while they run, none under torchrun
         waiting = world_size > 1 and fmt != "json" and not launched_by_torchrun()
 

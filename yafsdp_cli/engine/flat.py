@@ -217,9 +217,9 @@ def convert_module(module: nn.Module, layout: Layout) -> FlatModel:
     dtype, the same tied owners, one device per buffer) before anything is copied.
 
     >>> import torch
-    >>> from yafsdp_cli import convert_module, plan, spec_from_module
+    >>> from yafsdp_cli import LayoutOptions, convert_module, plan, spec_from_module
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    >>> flat = convert_module(model, plan(spec_from_module(model), world_size=2))
+    >>> flat = convert_module(model, plan(spec_from_module(model), LayoutOptions(world_size=2)))
     >>> [tuple(p.shape) for p in flat.parameters()]  # one flat buffer, padded
     [(32,)]
     >>> list(model.state_dict())  # the module keeps its names

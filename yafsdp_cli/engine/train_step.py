@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -65,15 +65,35 @@ class Batch:
         return Batch(tuple(one(a) for a in self.args), {k: one(v) for k, v in self.kwargs.items()})
 
 
+class BatchChoice(Protocol):
+    """The inputs of a step: ``options.StepOptions`` (the engine cannot import the
+    options room, which sits above it, so it names the fields it reads)."""
+
+    batch: int
+    seq_len: int | None
+    seed: int
+    input_shape: Sequence[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchDefaults:
+    """``StepOptions()``'s inputs."""
+
+    batch: int = 2
+    seq_len: int | None = 16
+    seed: int = 0
+    input_shape: Sequence[int] | None = None
+
+
 def make_batch(
-    module: nn.Module,
-    *,
-    batch: int = 2,
-    seq_len: int = 16,
-    seed: int = 0,
-    input_shape: Sequence[int] | None = None,
+    module: nn.Module, step: BatchChoice | None = None, *, seed: int | None = None
 ) -> Batch:
-    """Seeded inputs for ``module`` (see the module docstring)."""
+    """Seeded inputs for ``module`` (see the module docstring), as the step options
+    ``step`` say (None: the defaults); ``seed`` in place of the step's (verify seeds
+    each micro-batch of each rank on its own)."""
+    step = _BatchDefaults() if step is None else step
+    batch, seq_len, input_shape = step.batch, step.seq_len, step.input_shape
+    seed = step.seed if seed is None else seed
     main = getattr(module, "main_input_name", None)
     config = getattr(module, "config", None)
     if isinstance(main, str) and hasattr(config, "to_dict"):

@@ -36,6 +36,7 @@ from typing import Any
 
 from ..errors import YafsdpError
 from ..fileio import read_json
+from ..inspection.build import InspectInputs
 from ..inspection.inspect_options import InspectOptions
 from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
 from ..options import StepOptions
@@ -70,22 +71,12 @@ class MemoryFigures:
     parameters: int  # elements
 
 
-# The options a baseline records, by ``InspectInputs`` field -> the options model's name.
+# The options a baseline records (``InspectInputs``' fields but the source's), by the
+# name of the piece field each is: only the unit globs are named otherwise.
 INPUT_KEYS = {
-    "filters": "filters",
-    "excludes": "excludes",
-    "unit_globs": "units",
-    "world_size": "world_size",
-    "align": "align",
-    "param_dtype": "param_dtype",
-    "grad_dtype": "grad_dtype",
-    "optimizer": "optimizer",
-    "master_weights": "master_weights",
-    "round_bytes": "round_bytes",
-    "fsdp_placement": "fsdp_placement",
-    "freeze": "freeze",
-    "lora": "lora",
-    "quantize": "quantize",
+    f.name: "units" if f.name == "unit_globs" else f.name
+    for f in dataclasses.fields(InspectInputs)
+    if f.name not in ("source", "model")
 }
 
 
@@ -145,13 +136,38 @@ class Baseline:
     schema: str = SCHEMA  # what the file said; LEGACY_SCHEMA for an inspect document
 
 
-def recorded_options(inputs: Mapping[str, Any], given: Mapping[str, Any]) -> InspectOptions:
+def recorded_options(
+    inputs: Mapping[str, Any],
+    *,
+    layout: Mapping[str, Any] | None = None,
+    step: Mapping[str, Any] | None = None,
+    memory: Mapping[str, Any] | None = None,
+) -> InspectOptions:
     """The memory model's options a baseline recorded (``Baseline.inputs``), rebuilt as
-    the options model's pieces, with the options the user ``given`` (``None``: as
-    recorded) in their place; the pieces validate both."""
-    flat = {kw: inputs[key] for key, kw in INPUT_KEYS.items() if key in inputs}
-    flat.update((k, v) for k, v in given.items() if v is not None and k in InspectOptions.FIELDS)
-    return InspectOptions(**flat)
+    the options model's pieces (each recorded name to the piece whose field it is), with
+    the fields of each piece the user gave (``layout``, ``step``, ``memory``) in their
+    place; the pieces validate both."""
+    recorded = {kw: inputs[key] for key, kw in INPUT_KEYS.items() if key in inputs}
+    base = InspectOptions()
+    pieces = {}
+    for name, given in (("layout", layout), ("step", step), ("memory", memory)):
+        piece = getattr(base, name)
+        names = {f.name for f in dataclasses.fields(piece)}
+        own = {k: v for k, v in recorded.items() if k in names}
+        pieces[name] = dataclasses.replace(piece, **{**own, **(given or {})})
+    return InspectOptions(**pieces)
+
+
+def recorded_inputs(options: InspectOptions) -> dict[str, Any]:
+    """What a baseline records of ``options``, by the pieces' field names, in the
+    pieces' order (what ``check``'s report shows it ran with)."""
+    names = set(INPUT_KEYS.values())
+    return {
+        f.name: getattr(piece, f.name)
+        for piece in (options.layout, options.step, options.memory)
+        for f in dataclasses.fields(piece)
+        if f.name in names
+    }
 
 
 def portable(path: str | None) -> str | None:
@@ -236,7 +252,7 @@ def load_baseline(path: Path) -> Baseline:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise YafsdpError(f"baseline {path} lacks {exc}; regenerate it with --update") from None
     try:  # the recorded options, checked as the command line's are
-        recorded_options(baseline.inputs, {})
+        recorded_options(baseline.inputs)
     except YafsdpError as exc:
         raise YafsdpError(f"{where} recorded options: {exc}") from None
     return baseline

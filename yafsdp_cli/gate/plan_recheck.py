@@ -35,7 +35,7 @@ def recheck_plan(
     ``where`` (the file) before anything runs."""
     recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in doc["options"].items()}
     try:
-        opts = PlanOptions(**recorded)
+        opts = PlanOptions.from_recorded(recorded)
     except (YafsdpError, TypeError) as exc:
         raise YafsdpError(f"{where}: recorded options: {exc}") from None
     report = plan_source(

@@ -32,6 +32,7 @@ from .baseline import (
     load_baseline,
     portable,
     portable_model,
+    recorded_inputs,
     recorded_options,
     write_baseline,
 )
@@ -53,9 +54,11 @@ class CheckRequest:
     update: bool = False
     tolerance: float | None = None  # None: MEMORY_TOLERANCE, and STEP_TOLERANCE for the step
     step_tolerance: float | None = None  # None: --tolerance if given, else STEP_TOLERANCE
-    # the layout, step and memory options given: InspectOptions' names, and the step's
-    # batch, seq_len and checkpointing
-    given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # the fields of each piece given (the rest: as the baseline recorded them); of the
+    # step, the memory model's and the fake step's batch, seq_len and checkpointing
+    layout_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    step_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    memory_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     step: bool = True  # False: --no-step
     trust_pickle: bool = False
 
@@ -76,7 +79,12 @@ class CheckOutcome:
 def run_check(req: CheckRequest) -> CheckOutcome:
     given_step(req)
     old = _previous(req)
-    options = recorded_options(old.inputs if old else {}, req.given)
+    options = recorded_options(
+        old.inputs if old else {},
+        layout=req.layout_given,
+        step=req.step_given,
+        memory=req.memory_given,
+    )
     source = req.source or (old.source.path if old else None)
     model = req.model or (old.source.model if old else None)
     loaded = adapt(load_source(source, model=model, trust_pickle=req.trust_pickle), options.step)
@@ -92,7 +100,7 @@ def run_check(req: CheckRequest) -> CheckOutcome:
     if req.update:
         write_baseline(req.baseline, current)
         return CheckOutcome(current, report, None)
-    return CheckOutcome(current, report, compare(req, old, current, options.flat()))
+    return CheckOutcome(current, report, compare(req, old, current, recorded_inputs(options)))
 
 
 def _previous(req: CheckRequest) -> Baseline | None:
@@ -123,7 +131,7 @@ STEP_NAMES = ("batch", "seq_len", "checkpointing")  # the step piece's fields ch
 def given_step(req: CheckRequest) -> dict[str, Any]:
     """The step options the request gives, validated (as a step piece) before anything
     runs."""
-    given = {k: req.given[k] for k in STEP_NAMES if req.given.get(k) is not None}
+    given = {k: req.step_given[k] for k in STEP_NAMES if req.step_given.get(k) is not None}
     StepOptions(**given)
     return given
 

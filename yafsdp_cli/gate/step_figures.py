@@ -18,7 +18,7 @@ import re
 import warnings
 
 from ..memory import reserved_of
-from ..options import LayoutOptions, StepOptions
+from ..options import LayoutOptions
 from ..options.alloc_conf import allocator_setting
 from ..profiling import ProfileOptions, profile_model
 from .baseline import CATEGORIES, ModuleSaved, StepFigures, StepInputs
@@ -38,12 +38,7 @@ def step_options(inputs: StepInputs, layout: LayoutOptions) -> ProfileOptions:
     module followed."""
     return ProfileOptions(
         layout=dataclasses.replace(layout, world_size=inputs.world_size),
-        step=StepOptions(
-            optimizer=inputs.optimizer,
-            batch=inputs.batch,
-            seq_len=inputs.seq_len,
-            checkpointing=inputs.checkpointing,
-        ),
+        step=inputs.step_options(),
         fake=True,
         per_module=True,
         depth=MODULE_DEPTH,

@@ -188,17 +188,17 @@ class InspectReport:
 
 
 def inspect_model(
-    loaded, opts: InspectOptions | None = None, *, model: str | None = None, **flat
+    loaded, opts: InspectOptions | None = None, *, model: str | None = None
 ) -> InspectReport:
     """Plan ``loaded`` (a ``sources.LoadedModel``) and estimate its per-rank memory.
 
-    ``opts`` (or its flat keywords, e.g. ``world_size=4``): ``param_dtype`` is the
+    ``opts`` (None: ``InspectOptions()``): the step piece's ``param_dtype`` is the
     training dtype: floating parameters are planned and counted in it whatever their
     stored dtype. ``optimizer=None`` takes the checkpoint's own (a DCP checkpoint with
     optimizer state), else AdamW. Raises ``FilterError``, ``LayoutError`` or
     ``YafsdpError`` for bad options.
     """
-    opts = opts if opts is not None else InspectOptions(**flat)
+    opts = opts if opts is not None else InspectOptions()
     trained = training_dtype(opts.step.param_dtype, loaded.spec)
     lay, step = opts.layout, dataclasses.replace(opts.step, param_dtype=trained.dtype)
     loaded = adapt(loaded, step)  # --freeze, --lora: what trains
@@ -209,15 +209,8 @@ def inspect_model(
     optimizer, decided = resolve_optimizer(loaded, step.optimizer)
     cfg = memory_config(step, opts.memory, optimizer=optimizer)
     align_spec = parse_align(lay.align)
-    layout = plan(
-        spec,
-        filters=lay.filters,
-        excludes=lay.excludes,
-        units=lay.units or None,
-        world_size=lay.world_size,
-        align=align_spec,
-    )
-    memory = estimate_memory(layout, cfg, fsdp_placement=opts.fsdp_placement)
+    layout = plan(spec, lay)
+    memory = estimate_memory(layout, cfg, fsdp_placement=opts.memory.fsdp_placement)
     inputs = InspectInputs(
         source=spec.source,
         model=model,
@@ -229,9 +222,9 @@ def inspect_model(
         param_dtype=dtypes.canonical(step.param_dtype) if step.param_dtype else None,
         grad_dtype=cfg.grad_dtype,
         optimizer=optimizer,
-        master_weights=opts.master_weights,
+        master_weights=opts.memory.master_weights,
         round_bytes=cfg.round_bytes,
-        fsdp_placement=opts.fsdp_placement,
+        fsdp_placement=opts.memory.fsdp_placement,
         freeze=step.freeze,
         lora=step.lora,
         quantize=step.quantize,

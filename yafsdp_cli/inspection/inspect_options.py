@@ -5,33 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import Composed, LayoutOptions, MemoryOptions, StepOptions
+from ..options import LayoutOptions, MemoryOptions, StepOptions
+
+# inspect's own defaults: a DCP checkpoint's own optimizer (else adamw), CUDA's rounding
+INSPECT_STEP = StepOptions(optimizer=None)
+INSPECT_MEMORY = MemoryOptions(round_bytes=512)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, init=False)
-class InspectOptions(Composed):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InspectOptions:
     """Of the step, the memory model reads the optimizer (``None``: a DCP checkpoint's
     own, else adamw) and the dtypes; of the memory piece, rounding, master weights and
     FSDP2's placement."""
 
-    FIELDS = (
-        "filters",
-        "excludes",
-        "units",
-        "world_size",
-        "align",
-        "param_dtype",
-        "grad_dtype",
-        "freeze",
-        "lora",
-        "quantize",
-        "optimizer",
-        "master_weights",
-        "round_bytes",
-        "fsdp_placement",
-    )
-    DEFAULTS = {"optimizer": None, "round_bytes": 512}
-
-    layout: LayoutOptions
-    step: StepOptions
-    memory: MemoryOptions
+    layout: LayoutOptions = LayoutOptions()
+    step: StepOptions = INSPECT_STEP
+    memory: MemoryOptions = INSPECT_MEMORY

@@ -241,9 +241,9 @@ def rank_groups(
 ) -> tuple[RankGroup, ...]:
     """What each rank holds under FSDP2, as distinct groups of ranks in rank order.
 
-    >>> from yafsdp_cli import ModelSpec, TensorRecord, plan
+    >>> from yafsdp_cli import LayoutOptions, ModelSpec, TensorRecord, plan
     >>> spec = ModelSpec((TensorRecord("experts", (4, 8), "float32"),), has_architecture=False)
-    >>> groups = rank_groups(plan(spec, world_size=8), MemoryConfig(round_bytes=1))
+    >>> groups = rank_groups(plan(spec, LayoutOptions(world_size=8)), MemoryConfig(round_bytes=1))
     >>> [(g.ranks, g.params, g.optimizer) for g in groups]  # one expert row each on 0-3
     [((0, 3), 32, 64), ((4, 7), 32, 0)]
     """

@@ -21,13 +21,14 @@ The dtype a model is trained in follows one rule (``training_dtype``): --param-d
 else as stored, else (a source that stores none) ``DEFAULT_TRAINING_DTYPE``.
 
 A command's options (``ProfileOptions``, ``VerifyOptions``, ``PlanOptions``,
-``InspectOptions``) are ``Composed`` of these pieces plus the command's own fields.
-It imports the engine's torch-free choices only; every command room imports it.
+``InspectOptions``) hold these pieces whole (``opts.layout``, ``opts.step``,
+``opts.memory``) beside the command's own fields; the library passes a piece on as
+one object and derives another with ``dataclasses.replace``. It imports the
+engine's torch-free choices only; every command room imports it.
 """
 
 from __future__ import annotations
 
-from .composed import Composed, route
 from .pieces import (
     DEFAULT_MARGIN,
     OUTSIDE_PARTS,
@@ -44,7 +45,6 @@ __all__ = [
     "DEFAULT_MARGIN",
     "OUTSIDE_PARTS",
     "DEFAULT_TRAINING_DTYPE",
-    "Composed",
     "LayoutOptions",
     "MemoryOptions",
     "StepOptions",
@@ -53,7 +53,6 @@ __all__ = [
     "check_reserve",
     "check_training_dtypes",
     "parse_size",
-    "route",
     "si_echo",
     "training_dtype",
 ]

@@ -21,6 +21,7 @@ from ..numbers import (
     shown,
 )
 from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
+from .sizes import OUTSIDE_PARTS
 
 GiB = 1024**3
 # The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:
@@ -28,9 +29,6 @@ GiB = 1024**3
 # torch.cuda.max_memory_reserved (benchmarks/gpu/reserved-h200.log), so 3% of a GPU
 # covers an error of that size at a peak that fills the GPU.
 DEFAULT_MARGIN = 0.03
-# The parts of the memory beside the caching allocator that ``--outside`` overrides,
-# by the keyword ``memory.outside_allocator.outside_memory`` takes.
-OUTSIDE_PARTS = ("context", "cublas", "cublaslt", "nccl")
 
 
 def check_at_least(
@@ -68,6 +66,8 @@ class LayoutOptions:
         object.__setattr__(self, "filters", tuple(self.filters))
         object.__setattr__(self, "excludes", tuple(self.excludes))
         object.__setattr__(self, "units", _tuple(self.units))
+        for expr in (*self.filters, *self.excludes):
+            parse_filter(expr)  # a malformed expression fails before anything loads
         check_at_least("world-size", self.world_size)
 
 
@@ -75,8 +75,6 @@ class LayoutOptions:
 class StepOptions:
     """One training step: its optimizer, its inputs, where it runs, in which dtypes."""
 
-    optimizer: str | None = "adamw"  # adamw | adam | sgd | none; None: a checkpoint's own
-    optimizer_impl: str = "auto"  # auto | for-loop | foreach | fused
     batch: int = 2  # samples per micro-batch
     seq_len: int | None = 16  # tokens per sample; None: the model's context length
     input_shape: tuple[int, ...] | None = None  # None: from the model kind
@@ -90,6 +88,9 @@ class StepOptions:
     freeze: tuple[str, ...] = ()  # --freeze filter expressions: no gradient, no state
     lora: str | None = None  # --lora r=16,alpha=32,targets=q_proj,v_proj; None: none
     quantize: str | None = None  # --quantize nf4|nf4-dq|fp4|fp4-dq|int8: the frozen linears
+    # last, as the memory model's inputs list them (``check``'s report, a baseline)
+    optimizer: str | None = "adamw"  # adamw | adam | sgd | none; None: a checkpoint's own
+    optimizer_impl: str = "auto"  # auto | for-loop | foreach | fused
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", _tuple(self.input_shape))
@@ -142,8 +143,8 @@ class MemoryOptions:
     reserve: int | None = None
     outside: tuple[tuple[str, int], ...] = ()  # (part, bytes): context, cublas, cublaslt, nccl
     margin: int | None = None  # bytes the best plan keeps free; None: DEFAULT_MARGIN of the GPU
-    round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
     master_weights: bool | None = None  # float32 masters; None: on for 16-bit parameters
+    round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
     fsdp_placement: str = "dim0"  # what the FSDP2 column models: dim0 | auto
     alloc_conf: str | None = None  # the allocator replay's settings; None: PYTORCH_CUDA_ALLOC_CONF
 

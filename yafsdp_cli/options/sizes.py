@@ -12,8 +12,15 @@ finite and at most ``numbers.MAX_BYTES`` (1 EiB): ``1e400GiB`` is refused by nam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import YafsdpError
+from ..gpu_table import MIB, ROWS
 from ..numbers import MAX_BYTES, shown
+
+# the parts of the memory beside the caching allocator that ``--outside`` overrides,
+# by the keyword ``memory.outside_allocator.outside_memory`` takes
+OUTSIDE_PARTS = ("context", "cublas", "cublaslt", "nccl")
 
 GiB = 1024**3
 _BINARY = {
@@ -68,13 +75,101 @@ def is_si(text: str) -> bool:
     return _split(text)[1] in _SI
 
 
-def si_echo(text: str, flag: str) -> str | None:
-    """What a size in SI units is in GiB, or None for a size in binary units."""
+def si_echo(text: str, flag: str, size: int | None = None) -> str | None:
+    """What a size in SI units is in GiB, or None for a size in binary units; ``size``:
+    ``text`` already parsed."""
     if not is_si(text):
         return None
-    size = parse_size(text, flag)
+    size = parse_size(text, flag) if size is None else size
     unit = _split(text)[1].upper()
     return f"{flag} {text} is {size:,} bytes = {binary(size)} ({unit}: powers of 1000)"
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySizes:
+    """The memory piece's sizes as typed, each parsed once: bytes, and what a size in
+    SI units really is (``notes``)."""
+
+    gpu_memory: int | None
+    reserve: int | None
+    outside: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...]
+
+
+def memory_sizes(
+    *, gpu_memory: str | None, reserve: str | None, outside: str | None
+) -> MemorySizes:
+    """``--gpu-memory``, ``--reserve`` and ``--outside`` to bytes (None: not given);
+    a reserve typed beside the GPU's memory is checked here, blaming the option typed
+    (the itemised parts, without --reserve, once the GPU is known: ``plan``)."""
+    gpu = parse_size(gpu_memory, "--gpu-memory") if gpu_memory else None
+    held = None if reserve is None else parse_size(reserve, "--reserve")
+    if gpu is not None and held is not None:
+        check_reserve(gpu, held, reserve_typed=True)
+    notes = list(gpu_memory_notes(gpu_memory, gpu)) if gpu_memory else []
+    if reserve is not None:
+        notes += filter(None, [si_echo(reserve, "--reserve", held)])
+    return MemorySizes(gpu, held, parse_outside(outside), tuple(notes))
+
+
+def gpu_memory_notes(text: str, size: int | None = None) -> tuple[str, ...]:
+    """What ``--gpu-memory`` given in SI units (``80GB``) is in GiB and, where GPUs
+    sold as that many GB are in ``gpu_table``, what they really hold: the box says
+    "80 GB" of a GPU whose driver reports 81,559 MiB (79.65 GiB), so ``80GB``
+    (74.51 GiB) understates it by 5 GiB, enough to turn a fit into an OOM. ``size``:
+    ``text`` already parsed."""
+    size = parse_size(text, "--gpu-memory") if size is None else size
+    echo = si_echo(text, "--gpu-memory", size)
+    if echo is None:
+        return ()
+    sold_as = size / 10**9  # the number on the box
+    near: dict[int, str] = {}  # one name per figure: the H100 SXM and PCIe hold the same
+    for name, memory_bytes, *_ in ROWS:
+        if abs(memory_bytes / GiB - sold_as) <= 0.1 * sold_as:
+            near.setdefault(memory_bytes, name)
+    if not near:
+        return (echo,)
+    held = ", ".join(f"{name} {b // MIB:,} MiB ({b / GiB:.2f} GiB)" for b, name in near.items())
+    first = min(near)
+    hint = (
+        f"GPUs sold as {sold_as:g} GB hold {held}; give what nvidia-smi reports, "
+        f"e.g. --gpu-memory {first // MIB}MiB"
+    )
+    return (echo, hint)
+
+
+def parse_outside(text: str | None) -> tuple[tuple[str, int], ...]:
+    """``"context=1GiB,nccl=0"`` -> ``(("context", 1073741824), ("nccl", 0))``."""
+    if not text:
+        return ()
+    pairs = []
+    for item in text.replace(" ", "").split(","):
+        part, _, size = item.partition("=")
+        if part not in OUTSIDE_PARTS or not size:
+            raise YafsdpError(
+                f"--outside {item!r}: write PART=SIZE pairs separated by commas, PART one of "
+                f"{', '.join(OUTSIDE_PARTS)}, e.g. context=1GiB,nccl=256MiB"
+            )
+        pairs.append((part, parse_size(size, f"--outside {part}")))
+    return tuple(dict(pairs).items())
+
+
+def parse_margin(text: str | None, gpu_memory: int) -> int | None:
+    """``"5%"`` -> 5% of ``gpu_memory`` in bytes; ``"2GiB"`` -> bytes; None stays None."""
+    if text is None:
+        return None
+    s = text.strip()
+    if not s.endswith("%"):
+        return parse_size(s, "--margin")
+    try:
+        share = float(s[:-1])
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 100:
+        raise YafsdpError(
+            f"--margin {shown(text)!r}: a share is a number from 0 to 100 with %, e.g. 3%"
+        )
+    return round(share / 100 * gpu_memory)
 
 
 def binary(size: int) -> str:

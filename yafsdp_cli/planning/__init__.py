@@ -22,8 +22,9 @@ It may import ``timing``, ``profiling``, ``verify`` (the memory this process may
 True
 """
 
+from ..options.sizes import gpu_memory_notes, parse_size
 from .fit_grid import context_length, plan_model, plan_source
-from .plan_options import PlanOptions, gpu_memory_notes, parse_ints, parse_size
+from .plan_options import PlanOptions, parse_ints
 from .plan_report import (
     SCHEMA,
     LinearityCheck,

@@ -43,7 +43,6 @@ from ..timing import (
     estimate_step,
     gpu_spec,
 )
-from ..timing.gpu_profile import load_profile
 from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
 from .cell import Cell
@@ -66,9 +65,8 @@ class TimingSetup:
 def timing_setup(opts: PlanOptions) -> TimingSetup | None:
     """The GPU that ``opts`` names (``gpu`` from the table, or ``gpu_profile``, a JSON
     file with its own efficiencies); None where it names none."""
-    if opts.gpu_profile is not None:
-        profile = load_profile(opts.gpu_profile)
-        gpu, eff = profile.gpu, profile.efficiency
+    if opts.profile is not None:  # read once, with the options
+        gpu, eff = opts.profile.gpu, opts.profile.efficiency
     elif opts.gpu is not None:
         gpu, eff = gpu_spec(opts.gpu), Efficiency()
     else:
@@ -81,17 +79,14 @@ def count_cell(loaded, opts: PlanOptions, seq_len: int, cell: Cell) -> StepCosts
     """The kernels of one step of ``cell``; its mesh is not used (a rank's kernels do
     not depend on it)."""
     step = ProfileOptions(
-        optimizer=opts.optimizer,
-        optimizer_impl=opts.optimizer_impl,
-        units=opts.units,
-        batch=cell.micro_batch,
-        seq_len=seq_len,
-        seed=opts.seed,
+        layout=opts.layout,  # its units: what the checkpointing wraps
+        step=dataclasses.replace(
+            opts.step,
+            batch=cell.micro_batch,
+            seq_len=seq_len,
+            checkpointing=cell.checkpointing,
+        ),
         fake=True,
-        param_dtype=opts.param_dtype,
-        grad_dtype=opts.grad_dtype,
-        checkpointing=cell.checkpointing,
-        target=opts.target,
     )
     return count_step(loaded, step)
 
@@ -139,19 +134,12 @@ class CellTimer:
         self.loaded, self.opts, self.seq_len, self.setup = loaded, opts, seq_len, setup
         self.origin: Origin | None = origin
         self.counts: dict[Cell, StepCosts] = {}
-        spec = retype_params(loaded.spec, opts.param_dtype)
+        spec = retype_params(loaded.spec, opts.step.param_dtype)
         cfg = opts.memory_config()
 
         @cache
         def layout(world_size: int):
-            return plan(
-                spec,
-                filters=opts.filters,
-                excludes=opts.excludes,
-                units=opts.units,
-                world_size=world_size,
-                align=opts.align,
-            )
+            return plan(spec, dataclasses.replace(opts.layout, world_size=world_size))
 
         self.layout, self.cfg = layout, cfg
 

@@ -58,7 +58,7 @@ def plan_model(
     if loaded.module is None:
         loaded.build_module()  # raises: measuring activations needs an architecture
     loaded = adapt(loaded, opts.step)  # --freeze, --lora: the memory model counts them too
-    seq_len = opts.seq_len or context_length(loaded.module)
+    seq_len = opts.step.seq_len or context_length(loaded.module)
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
@@ -117,7 +117,7 @@ def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tupl
     kept = tuple(c for c in opts.checkpointing if c == "none")
     if not kept or kept == tuple(opts.checkpointing):
         return opts, ()
-    layout = plan(loaded.spec, filters=opts.filters, excludes=opts.excludes, units=opts.units)
+    layout = plan(loaded.spec, opts.layout)
     if any(layout.units):
         return opts, ()
     dropped = ", ".join(c for c in opts.checkpointing if c != "none")
@@ -129,19 +129,12 @@ def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tupl
 
 
 def _memory_model(loaded, opts: PlanOptions):
-    spec = retype_params(loaded.spec, opts.param_dtype, keeps_stored_base(loaded))
+    spec = retype_params(loaded.spec, opts.step.param_dtype, keeps_stored_base(loaded))
     cfg = opts.memory_config()
 
     @cache
     def flat_bytes(world_size: int):
-        layout = plan(
-            spec,
-            filters=opts.filters,
-            excludes=opts.excludes,
-            units=opts.units,
-            world_size=world_size,
-            align=opts.align,
-        )
+        layout = plan(spec, dataclasses.replace(opts.layout, world_size=world_size))
         return estimate_memory(layout, cfg).flat
 
     return flat_bytes
@@ -153,7 +146,7 @@ def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
 
     def persistent_fits(ws: int) -> bool:
         margin = opts.memory.margin_bytes
-        return headroom.fit(total(ws), fit.outside(ws).total, opts.gpu_memory, margin).fits
+        return headroom.fit(total(ws), fit.outside(ws).total, opts.memory.gpu_memory, margin).fits
 
     above_one = [ws for ws in sizes if ws > 1]
     fitting = [ws for ws in above_one if persistent_fits(ws)]
@@ -219,7 +212,7 @@ def _row(cell: Cell, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
 
 
 def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
-    beside = "--reserve" if opts.reserve is not None else "context, cuBLAS, cuBLASLt, NCCL"
+    beside = "--reserve" if opts.memory.reserve is not None else "context, cuBLAS, cuBLASLt, NCCL"
     if fit.alloc_conf is None:
         return (
             f"fits: allocated peak + the memory beside the allocator ({beside}) <= GPU "
@@ -307,14 +300,14 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> P
     best, advice = _best_and_advice(rows, opts)
     return PlanReport(
         source=loaded.spec.source,
-        gpu_memory_bytes=opts.gpu_memory,
-        reserve_bytes=opts.reserve,
-        round_bytes=opts.round_bytes,
+        gpu_memory_bytes=opts.memory.gpu_memory,
+        reserve_bytes=opts.memory.reserve,
+        round_bytes=opts.memory.round_bytes,
         seq_len=seq_len,
-        param_dtype=opts.param_dtype or "as stored",
+        param_dtype=opts.step.param_dtype or "as stored",
         grad_dtype=cfg.grad_dtype or "the parameters' dtype",
-        optimizer=opts.optimizer,
-        optimizer_impl=opts.optimizer_impl,
+        optimizer=opts.step.optimizer,
+        optimizer_impl=opts.step.optimizer_impl,
         world_sizes=tuple(dict.fromkeys(r.world_size for r in rows)),
         micro_batches=tuple(opts.micro_batches),
         checkpointing=tuple(opts.checkpointing),
@@ -351,10 +344,10 @@ def _notes(opts: PlanOptions, measured, counts, checks, jobs: int, fit) -> tuple
         _fit_note(opts, fit),
         "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
         "(transformers' own activation_checkpointing_enable where the model has it)",
-        f"kernels: {opts.target}'s"
+        f"kernels: {opts.step.target}'s"
         + (
             " (attention as CUDA's sdpa kernels save it, the optimizer's foreach default)"
-            if opts.target == "cuda"
+            if opts.step.target == "cuda"
             else ""
         ),
     ]

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..options import MemoryOptions
 from ..profiling import ProfileOptions
 from ..profiling.profiler import profile_converted
 from ..profiling.shard_sizes import RecordedStep
@@ -90,25 +91,17 @@ def measure_step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
     profile_converted(
         loaded,
         ProfileOptions(
-            optimizer=opts.optimizer,
-            optimizer_impl=opts.optimizer_impl,
-            filters=opts.filters,
-            excludes=opts.excludes,
-            units=opts.units,
-            world_size=cell.world_size,
-            align=opts.align,
-            batch=cell.micro_batch,
-            seq_len=seq_len,
-            seed=opts.seed,
+            layout=dataclasses.replace(opts.layout, world_size=cell.world_size),
+            step=dataclasses.replace(
+                opts.step,
+                batch=cell.micro_batch,
+                seq_len=seq_len,
+                checkpointing=cell.checkpointing,
+            ),
+            # the step's own rounding; the plan's GPU and allocator settings are applied
+            # to its trace afterwards (``reserved_fit``)
+            memory=MemoryOptions(round_bytes=opts.memory.round_bytes),
             fake=True,
-            param_dtype=opts.param_dtype,
-            grad_dtype=opts.grad_dtype,
-            freeze=opts.freeze,
-            lora=opts.lora,
-            quantize=opts.quantize,
-            checkpointing=cell.checkpointing,
-            round_bytes=opts.round_bytes,
-            target=opts.target,
         ),
         steps=steps,
     )

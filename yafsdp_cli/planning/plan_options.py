@@ -4,12 +4,13 @@ grid), the parsing of lists, and what a GPU size given in GB really is."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from ..engine import dtypes
 from ..engine.choices import check_checkpointing
 from ..errors import YafsdpError
-from ..gpu_table import GIB, MIB
 from ..memory import MemoryConfig
 from ..memory.config import memory_config
 from ..numbers import (
@@ -25,71 +26,40 @@ from ..numbers import (
 )
 from ..options import (
     DEFAULT_TRAINING_DTYPE,
-    OUTSIDE_PARTS,
-    Composed,
     LayoutOptions,
     MemoryOptions,
     StepOptions,
 )
-from ..options.sizes import parse_size, si_echo
 from ..schemes import FLAT
 from ..schemes import check_names as check_schemes
-from ..timing.gpu_specs import GPUS
+
+if TYPE_CHECKING:
+    from ..timing.gpu_profile import GpuProfile
 
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too
 ROUND_BYTES = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, init=False)
-class PlanOptions(Composed):
-    """``gpu_memory`` (bytes per GPU) is required; ``world_sizes`` None: 1, 2, 4, ...
-    up to what is needed; ``seq_len`` None: the model's context length, else 2048;
-    ``target``: whose kernels the fake steps account (see profile --target)."""
+# plan's own defaults of the pieces: the model's context length, bf16 with float32
+# masters, torch's optimizer for CUDA tensors, CUDA's kernels and allocator rounding
+PLAN_STEP = StepOptions(
+    seq_len=None, param_dtype=DEFAULT_TRAINING_DTYPE, optimizer_impl="foreach", target="cuda"
+)
+PLAN_MEMORY = MemoryOptions(round_bytes=ROUND_BYTES)
 
-    FIELDS = (
-        "gpu_memory",
-        "world_sizes",
-        "micro_batches",
-        "checkpointing",
-        "seq_len",
-        "reserve",
-        "outside",
-        "margin",
-        "alloc_conf",
-        "param_dtype",
-        "grad_dtype",
-        "freeze",
-        "lora",
-        "quantize",
-        "optimizer",
-        "optimizer_impl",
-        "filters",
-        "excludes",
-        "units",
-        "align",
-        "round_bytes",
-        "target",
-        "jobs",
-        "seed",
-        "schemes",
-        "gpu",
-        "gpu_profile",
-        "network",
-        "objective",
-        "tokens",
-    )
-    DEFAULTS = {
-        "seq_len": None,
-        "param_dtype": DEFAULT_TRAINING_DTYPE,
-        "optimizer_impl": "foreach",  # torch's default for CUDA tensors
-        "target": "cuda",
-        "round_bytes": ROUND_BYTES,
-    }
 
-    layout: LayoutOptions
-    step: StepOptions
-    memory: MemoryOptions
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """``memory.gpu_memory`` (bytes per GPU) is required unless a GPU is named;
+    ``world_sizes`` None: 1, 2, 4, ... up to what is needed; ``step.seq_len`` None: the
+    model's context length, else 2048; ``step.target``: whose kernels the fake steps
+    account (see profile --target). The step piece's batch and checkpointing are the
+    grid's (``micro_batches``, ``checkpointing``), its world size ``world_sizes``."""
+
+    layout: LayoutOptions = LayoutOptions()
+    step: StepOptions = PLAN_STEP
+    memory: MemoryOptions = PLAN_MEMORY
     world_sizes: tuple[int, ...] | None = None
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     checkpointing: tuple[str, ...] = CHECKPOINTING  # the grid's; the step piece's is unused
@@ -99,6 +69,9 @@ class PlanOptions(Composed):
     # where it is not given
     gpu: str | None = None  # a GPU of ``timing.GPUS``, any case
     gpu_profile: str | None = None  # a JSON GPU profile (``schemas/gpu.schema.json``)
+    # ``gpu_profile`` as read, once, when the options are made (what ``cell_time`` times
+    # with); a saved plan records the file's path and reads it again
+    profile: GpuProfile | None = field(default=None, compare=False, repr=False)
     network: float | None = None  # inter-node bytes/s per GPU; None: ``timing.Cluster``'s
     objective: str | None = None  # how the best row is chosen; None: the default objective
     tokens: int | None = None  # tokens to train on, for the GPU-hours
@@ -122,7 +95,9 @@ class PlanOptions(Composed):
             checked(self.jobs, "--jobs", 1, MAX_JOBS, whole=True)
         object.__setattr__(self, "schemes", check_schemes(self.schemes))
         if self.step.param_dtype is not None:  # the report names it in full
-            step = dataclasses.replace(self.step, param_dtype=dtypes.canonical(self.param_dtype))
+            step = dataclasses.replace(
+                self.step, param_dtype=dtypes.canonical(self.step.param_dtype)
+            )
             object.__setattr__(self, "step", step)
 
     def _check_timing(self) -> None:
@@ -154,7 +129,9 @@ class PlanOptions(Composed):
             )
         if self.objective == "gpu-hours" and self.tokens is None:
             raise YafsdpError("--objective gpu-hours needs --tokens, the tokens to train on")
-        gpu = gpu_spec(self.gpu) if self.gpu else load_profile(self.gpu_profile).gpu
+        if self.gpu_profile is not None and self.profile is None:
+            object.__setattr__(self, "profile", load_profile(self.gpu_profile))
+        gpu = gpu_spec(self.gpu) if self.gpu else self.profile.gpu
         if self.memory.gpu_memory is None:
             memory = dataclasses.replace(self.memory, gpu_memory=gpu.memory_bytes)
             object.__setattr__(self, "memory", memory)
@@ -162,29 +139,79 @@ class PlanOptions(Composed):
     def memory_config(self) -> MemoryConfig:
         return memory_config(self.step, self.memory)
 
+    def recorded(self) -> dict[str, Any]:
+        """What a saved plan records (``SAVED``, in its order): the pieces' fields and
+        the plan's own, read from the dataclasses' fields; the grid's checkpointing
+        stands for the step piece's."""
+        values = {f.name: getattr(p, f.name) for p in self._pieces() for f in fields(p)}
+        values.update((name, getattr(self, name)) for name in _own_fields())
+        return {name: values[name] for name in SAVED}
 
-def gpu_memory_notes(text: str) -> tuple[str, ...]:
-    """What ``--gpu-memory`` given in SI units (``80GB``) is in GiB and, where GPUs
-    sold as that many GB are in ``timing.gpu_specs``, what they really hold: the box
-    says "80 GB" of a GPU whose driver reports 81,559 MiB (79.65 GiB), so ``80GB``
-    (74.51 GiB) understates it by 5 GiB, enough to turn a fit into an OOM."""
-    echo = si_echo(text, "--gpu-memory")
-    if echo is None:
-        return ()
-    sold_as = parse_size(text, "--gpu-memory") / 10**9  # the number on the box
-    near: dict[int, str] = {}  # one name per figure: the H100 SXM and PCIe hold the same
-    for g in GPUS.values():
-        if abs(g.memory_bytes / GIB - sold_as) <= 0.1 * sold_as:
-            near.setdefault(g.memory_bytes, g.name)
-    if not near:
-        return (echo,)
-    held = ", ".join(f"{name} {b // MIB:,} MiB ({b / GIB:.2f} GiB)" for b, name in near.items())
-    first = min(near)
-    hint = (
-        f"GPUs sold as {sold_as:g} GB hold {held}; give what nvidia-smi reports, "
-        f"e.g. --gpu-memory {first // MIB}MiB"
-    )
-    return (echo, hint)
+    @classmethod
+    def from_recorded(cls, doc: Mapping[str, Any]) -> PlanOptions:
+        """The options ``recorded`` wrote, each name to the piece whose field it is
+        (the plan's own fields first); a name of no field is a ``TypeError``."""
+        own = _own_fields()
+        given = {"layout": LayoutOptions, "step": StepOptions, "memory": MemoryOptions}
+        base = {"layout": LayoutOptions(), "step": PLAN_STEP, "memory": PLAN_MEMORY}
+        pieces = {}
+        for name, kind in given.items():
+            names = {f.name for f in fields(kind)} - set(own)
+            pieces[name] = dataclasses.replace(
+                base[name], **{k: v for k, v in doc.items() if k in names}
+            )
+        known = set(own).union(*({f.name for f in fields(k)} for k in given.values()))
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise TypeError(f"PlanOptions has no option {', '.join(unknown)}")
+        return cls(**pieces, **{k: v for k, v in doc.items() if k in own})
+
+    def _pieces(self) -> tuple[LayoutOptions, StepOptions, MemoryOptions]:
+        return self.layout, self.step, self.memory
+
+
+def _own_fields() -> tuple[str, ...]:
+    """PlanOptions' own fields: not a piece, not the profile read from a file."""
+    skip = {"layout", "step", "memory", "profile"}
+    return tuple(f.name for f in fields(PlanOptions) if f.name not in skip)
+
+
+# The saved plan's ``options`` object (``yafsdp.plan/1``), in the document's order:
+# names of the pieces' and PlanOptions' fields (``tests/options`` holds them to it).
+# The layout's world size, the step's batch, input shape and device, and the memory
+# piece's master weights and FSDP2 placement are not the plan's to choose.
+SAVED = (
+    "gpu_memory",
+    "world_sizes",
+    "micro_batches",
+    "checkpointing",
+    "seq_len",
+    "reserve",
+    "outside",
+    "margin",
+    "alloc_conf",
+    "param_dtype",
+    "grad_dtype",
+    "freeze",
+    "lora",
+    "quantize",
+    "optimizer",
+    "optimizer_impl",
+    "filters",
+    "excludes",
+    "units",
+    "align",
+    "round_bytes",
+    "target",
+    "jobs",
+    "seed",
+    "schemes",
+    "gpu",
+    "gpu_profile",
+    "network",
+    "objective",
+    "tokens",
+)
 
 
 def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -199,40 +226,6 @@ def parse_ints(text: str | None, flag: str) -> tuple[int, ...] | None:
             f"{flag} {shown(text)!r}: give positive integers separated by commas, e.g. 1,2,4{why}"
         )
     return tuple(dict.fromkeys(values))
-
-
-def parse_outside(text: str | None) -> tuple[tuple[str, int], ...]:
-    """``"context=1GiB,nccl=0"`` -> ``(("context", 1073741824), ("nccl", 0))``."""
-    if not text:
-        return ()
-    pairs = []
-    for item in text.replace(" ", "").split(","):
-        part, _, size = item.partition("=")
-        if part not in OUTSIDE_PARTS or not size:
-            raise YafsdpError(
-                f"--outside {item!r}: write PART=SIZE pairs separated by commas, PART one of "
-                f"{', '.join(OUTSIDE_PARTS)}, e.g. context=1GiB,nccl=256MiB"
-            )
-        pairs.append((part, parse_size(size, f"--outside {part}")))
-    return tuple(dict(pairs).items())
-
-
-def parse_margin(text: str | None, gpu_memory: int) -> int | None:
-    """``"5%"`` -> 5% of ``gpu_memory`` in bytes; ``"2GiB"`` -> bytes; None stays None."""
-    if text is None:
-        return None
-    s = text.strip()
-    if not s.endswith("%"):
-        return parse_size(s, "--margin")
-    try:
-        share = float(s[:-1])
-    except ValueError:
-        share = -1.0
-    if not 0 <= share < 100:
-        raise YafsdpError(
-            f"--margin {shown(text)!r}: a share is a number from 0 to 100 with %, e.g. 3%"
-        )
-    return round(share / 100 * gpu_memory)
 
 
 _RATE_UNITS = {"gb/s": 1e9, "gib/s": 2**30, "mb/s": 1e6, "tb/s": 1e12, "gbit/s": 1e9 / 8}

@@ -54,7 +54,7 @@ def plan_confs(opts) -> tuple[AllocatorConf, ...]:
     segments; none for ``--target cpu`` (no caching allocator to model)."""
     if opts.step.kernels != "cuda":
         return ()
-    own = allocator_setting(opts.alloc_conf)
+    own = allocator_setting(opts.memory.alloc_conf)
     if own.expandable_segments:
         return (own,)
     return own, dataclasses.replace(own, expandable_segments=True)
@@ -69,13 +69,13 @@ def outside_at(opts, world_size: int) -> OutsideAllocator:
     """What a rank of ``world_size`` holds beside the allocator: ``--reserve`` as one
     part, else the itemised parts for the installed torch on a Hopper GPU (the
     measured one), the environment's variables and ``--outside``'s overrides."""
-    if opts.reserve is not None:
-        return OutsideAllocator((OutsidePart("reserve", opts.reserve, "--reserve, given"),))
+    if opts.memory.reserve is not None:
+        return OutsideAllocator((OutsidePart("reserve", opts.memory.reserve, "--reserve, given"),))
     return outside_memory(
         torch_version=torch.__version__,
         world_size=world_size,
         env=os.environ,
-        **dict(opts.outside),
+        **dict(opts.memory.outside),
     )
 
 
@@ -91,7 +91,7 @@ class ReservedFit:
     def __init__(self, opts, figures: Callable, model_total: Callable, runs: Callable):
         self.opts, self.figures, self.model_total, self.runs = opts, figures, model_total, runs
         self.confs = plan_confs(opts)
-        self.gpu = opts.gpu_memory
+        self.gpu = opts.memory.gpu_memory
         self.margin = opts.memory.margin_bytes
         self._outside: dict[int, OutsideAllocator] = {}
 

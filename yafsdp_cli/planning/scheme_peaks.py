@@ -165,7 +165,7 @@ class _RowMaker:
         act = steps[phase].activations
         reserved = peak + self._fragmentation(cell)
         outside = self.fit.outside(ws).total
-        verdict = headroom.fit(reserved, outside, self.opts.gpu_memory, self.fit.margin)
+        verdict = headroom.fit(reserved, outside, self.opts.memory.gpu_memory, self.fit.margin)
         return SchemeRow(
             scheme, ws, cell.micro_batch, ck, peak, reserved, verdict.needed, m.persistent,
             m.gather, m.reduce, act, peak - m.total - act, phase, verdict.fits, verdict,
@@ -242,8 +242,6 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     )
 
 
-
-
 def _one_phase(line: PhaseLine, phase: str) -> PhaseLine:
     """``line`` with ``phase`` alone, so that ``at`` gives that phase's figures."""
     keep = lambda d: {phase: d[phase]} if d is not None else None  # noqa: E731
@@ -266,15 +264,12 @@ def _between(at: dict[int, float], x: int) -> float:
 
 
 def _scheme_memory(loaded, opts: PlanOptions):
-    spec = retype_params(loaded.spec, opts.param_dtype)
+    spec = retype_params(loaded.spec, opts.step.param_dtype)
     cfg = opts.memory_config()
 
     @cache
     def layout_and_report(ws: int):
-        layout = plan(
-            spec, filters=opts.filters, excludes=opts.excludes, units=opts.units,
-            world_size=ws, align=opts.align,
-        )  # fmt: skip
+        layout = plan(spec, dataclasses.replace(opts.layout, world_size=ws))
         return layout, estimate_memory(layout, cfg)
 
     @cache

@@ -37,12 +37,12 @@ def gpu_holding(opts: ProfileOptions) -> GpuHolding | None:
     variable is a ``YafsdpError`` before any step runs."""
     if opts.kernels != "cuda":
         return None
-    conf = allocator_setting(opts.alloc_conf)  # a bad one fails before the context is read
-    on_gpu = opts.device == "cuda" and torch.cuda.is_available()
+    conf = allocator_setting(opts.memory.alloc_conf)  # a bad one fails before the context is read
+    on_gpu = opts.step.device == "cuda" and torch.cuda.is_available()
     capability = tuple(torch.cuda.get_device_capability()) if on_gpu else HOPPER
     outside = outside_memory(
         torch_version=torch.__version__,
-        world_size=opts.world_size,
+        world_size=opts.layout.world_size,
         capability=capability,
         env=os.environ,
     )

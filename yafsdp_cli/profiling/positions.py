@@ -36,7 +36,7 @@ def position_limit(module: nn.Module) -> tuple[str, int] | None:
 
 def tokens(opts) -> int:
     """The sequence length the batch has."""
-    return opts.input_shape[-1] if opts.input_shape else opts.seq_len
+    return opts.step.input_shape[-1] if opts.step.input_shape else opts.step.seq_len
 
 
 @contextlib.contextmanager

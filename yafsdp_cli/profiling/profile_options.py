@@ -4,42 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import Composed, LayoutOptions, MemoryOptions, StepOptions, check_at_least
+from ..options import LayoutOptions, MemoryOptions, StepOptions, check_at_least
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, init=False)
-class ProfileOptions(Composed):
-    FIELDS = (
-        "optimizer",
-        "optimizer_impl",
-        "filters",
-        "excludes",
-        "units",
-        "world_size",
-        "align",
-        "batch",
-        "seq_len",
-        "input_shape",
-        "seed",
-        "fake",
-        "per_module",
-        "depth",
-        "modules",
-        "device",
-        "target",
-        "checkpointing",
-        "param_dtype",
-        "grad_dtype",
-        "freeze",
-        "lora",
-        "quantize",
-        "round_bytes",
-        "alloc_conf",
-    )
-
-    layout: LayoutOptions
-    step: StepOptions
-    memory: MemoryOptions  # round_bytes None: 512 for CUDA's kernels (the caching allocator)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    layout: LayoutOptions = LayoutOptions()
+    step: StepOptions = StepOptions()
+    # round_bytes None: 512 for CUDA's kernels (the caching allocator)
+    memory: MemoryOptions = MemoryOptions()
     fake: bool = False
     per_module: bool = False
     depth: int = 3  # per-module rows: module names with at most this many parts

@@ -68,8 +68,8 @@ def profile_model(
     ``traces``, if given, gets each variant's ``AllocTrace`` (for
     ``memory.caching_allocator.reserved_of``) under "original" and "converted"."""
     opts = opts or ProfileOptions()
-    trained = training_dtype(opts.param_dtype, loaded.spec)
-    opts = dataclasses.replace(opts, param_dtype=trained.dtype)
+    trained = training_dtype(opts.step.param_dtype, loaded.spec)
+    opts = dataclasses.replace(opts, step=dataclasses.replace(opts.step, param_dtype=trained.dtype))
     _check_target(opts)
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
@@ -79,11 +79,11 @@ def profile_model(
 
 
 def _check_target(opts: ProfileOptions) -> None:
-    if opts.device == "cuda" and not torch.cuda.is_available():
+    if opts.step.device == "cuda" and not torch.cuda.is_available():
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
-    if opts.device == "cuda" and opts.kernels == "cpu":
+    if opts.step.device == "cuda" and opts.kernels == "cpu":
         raise YafsdpError("--target cpu with --device cuda: the step runs CUDA kernels")
-    if opts.device == "cpu" and opts.kernels == "cuda" and not opts.fake:
+    if opts.step.device == "cpu" and opts.kernels == "cuda" and not opts.fake:
         raise YafsdpError(
             "--target cuda on the CPU needs --fake: the CUDA kernels are accounted on fake "
             "tensors; add --fake, or run --device cuda on a GPU"
@@ -117,17 +117,10 @@ def _prepared(loaded, opts: ProfileOptions, fake_mode):
     (on this one model: it is converted in place, never copied), and how it was
     checkpointed, in words."""
     module = build_module(loaded, opts, fake_mode)
-    cast_params(module, opts.param_dtype, keep_frozen=keeps_stored_base(loaded))
+    cast_params(module, opts.step.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
-    layout = plan(
-        spec_from_module(module),
-        filters=opts.filters,
-        excludes=opts.excludes,
-        units=opts.units,
-        world_size=opts.world_size,
-        align=opts.align,
-    )
-    ckpt_note = apply_checkpointing(module, opts.checkpointing, layout.units)
+    layout = plan(spec_from_module(module), opts.layout)
+    ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.units)
     return module, layout, ckpt_note
 
 
@@ -143,9 +136,9 @@ def _convert(module, layout, opts: ProfileOptions):
     """``module`` converted in place; what its optimizer steps on, and the sharded
     runtime (rank 0 of ``world_size``) where there is one."""
     flat = convert_module(module, layout)
-    if opts.world_size == 1:
+    if opts.layout.world_size == 1:
         return flat.parameters(), None
-    sharded = ShardedFlat(flat, LocalComm(0, opts.world_size))
+    sharded = ShardedFlat(flat, LocalComm(0, opts.layout.world_size))
     return sharded.parameters(), sharded
 
 
@@ -171,12 +164,12 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
     return ProfileReport(
         source=loaded.spec.source,
         fake=opts.fake,
-        device=opts.device,
+        device=opts.step.device,
         target=opts.kernels,
-        world_size=opts.world_size,
-        optimizer=opts.optimizer,
+        world_size=opts.layout.world_size,
+        optimizer=opts.step.optimizer,
         optimizer_impl=_optimizer_impl(opts),
-        checkpointing=opts.checkpointing,
+        checkpointing=opts.step.checkpointing,
         inputs=batch.describe(),
         round_bytes=_rounding(opts),
         flat_buffers=len(layout.buffers),
@@ -191,43 +184,37 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
 
 
 def _substitutes_cuda(opts: ProfileOptions) -> bool:
-    return opts.kernels == "cuda" and opts.device == "cpu"
+    return opts.kernels == "cuda" and opts.step.device == "cpu"
 
 
 def _rounding(opts: ProfileOptions) -> int:
-    if opts.round_bytes is not None:
-        return opts.round_bytes
+    if opts.memory.round_bytes is not None:
+        return opts.memory.round_bytes
     return CUDA_ROUND if opts.kernels == "cuda" else 1
 
 
 def _optimizer_impl(opts: ProfileOptions) -> str:
     """torch's default (``auto``) for the target: foreach on CUDA, for-loop on the CPU.
     Fake CPU tensors would get the CPU's default, so the CUDA one is named."""
-    if opts.optimizer_impl == "auto" and _substitutes_cuda(opts):
+    if opts.step.optimizer_impl == "auto" and _substitutes_cuda(opts):
         return "foreach"
-    return opts.optimizer_impl
+    return opts.step.optimizer_impl
 
 
 def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
     """A real module with the weights, or a fake one that holds no memory."""
     if fake_mode is None:
         module = loaded.build_module()
-        return module.to("cuda") if opts.device == "cuda" else module
+        return module.to("cuda") if opts.step.device == "cuda" else module
     if loaded.module is None:
         loaded.build_module()  # raises: profiling needs an architecture
-    return fake_copy(loaded.module, loaded.spec, opts.device)
+    return fake_copy(loaded.module, loaded.spec, opts.step.device)
 
 
 def _batch(module: nn.Module, opts: ProfileOptions) -> Batch:
     """Real tensors, in a fake run too (see ``fake.py``)."""
-    batch = make_batch(
-        module,
-        batch=opts.batch,
-        seq_len=opts.seq_len,
-        seed=opts.seed,
-        input_shape=opts.input_shape,
-    )
-    if opts.device == "cuda":
+    batch = make_batch(module, opts.step)
+    if opts.step.device == "cuda":
         batch = batch.map(lambda t: t.to("cuda"))
     return batch
 
@@ -246,9 +233,9 @@ def warm_up(opt, params: list[nn.Parameter]) -> None:
 def _profile_step(
     variant, module, params, batch, opts, sharded=None, traces=None, holding=None, steps=None
 ) -> StepProfile:
-    masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
+    masters = Masters(module, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     stepped = masters.stepped if masters else params
-    opt = make_optimizer(opts.optimizer, stepped, _optimizer_impl(opts))
+    opt = make_optimizer(opts.step.optimizer, stepped, _optimizer_impl(opts))
     warm_up(opt, stepped)
     tracker = StorageTracker(_rounding(opts))
     _assign_roles(tracker, module, params, opt, batch)
@@ -258,7 +245,7 @@ def _profile_step(
         _tag_shards(tracker, sharded, masters, opt, _rounding(opts))
     names = module_names(module, opts)
     rows = [n for n in dict.fromkeys(names.values()) if opts.per_module and _shallow(n, opts)]
-    cuda_before = _cuda_reset(opts.device)
+    cuda_before = _cuda_reset(opts.step.device)
     start = time.perf_counter()
     with tracker, tracking_modules(tracker, names):
         _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
@@ -278,7 +265,7 @@ def _profile_step(
         end=timeline.end,
         modules=timeline.modules,
         peak_modules=peak_shares(module, timeline.peak_by_module, opts.modules),
-        cuda=_cuda_peaks(opts.device, cuda_before),
+        cuda=_cuda_peaks(opts.step.device, cuda_before),
         ops=timeline.ops,
         wall_s=wall,
         series=timeline.series,
@@ -314,8 +301,8 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
 
 def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -> None:
     tracker.set_phase("forward")
-    torch.manual_seed(opts.seed)
-    loss = step_loss(run_forward(module, batch), opts.seed)
+    torch.manual_seed(opts.step.seed)
+    loss = step_loss(run_forward(module, batch), opts.step.seed)
     tracker.set_phase("backward")
     _backward(loss)
     del loss
@@ -403,11 +390,11 @@ def _notes(
             "caching allocator does, the optimizer's CUDA default (foreach); kernel "
             "workspaces are not counted (see docs/profile.md)"
         )
-    if opts.param_dtype:
+    if opts.step.param_dtype:
         notes.append(
-            f"parameters in {opts.param_dtype}; 16-bit ones get float32 masters that the "
+            f"parameters in {opts.step.param_dtype}; 16-bit ones get float32 masters that the "
             "optimizer steps on (its states float32), counted as optimizer; gradients in "
-            f"{opts.grad_dtype or opts.param_dtype}"
+            f"{opts.step.grad_dtype or opts.step.param_dtype}"
         )
     if holding is not None:
         notes.append(
@@ -417,9 +404,9 @@ def _notes(
         )
     if ckpt_note:
         notes.append(f"activation checkpointing: {ckpt_note}")
-    if opts.world_size > 1:
+    if opts.layout.world_size > 1:
         notes.append(
-            f"converted: rank 0 of {opts.world_size}; persistent parameters, gradients and "
+            f"converted: rank 0 of {opts.layout.world_size}; persistent parameters, gradients and "
             "optimizer state are shards, each unit's buffers gathered while it runs; the "
             "original is one whole (DDP-like) replica"
         )

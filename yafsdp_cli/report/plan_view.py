@@ -29,7 +29,7 @@ def to_json(report: PlanReport) -> str:
     """One ``yafsdp.plan/1`` document: every field of the report, in bytes."""
     payload = {"answer": answer(report), **plain(report)}
     # the options as the command line names them: what ``check`` rebuilds them from
-    payload["options"] = plain(report.options.flat()) if report.options else None
+    payload["options"] = plain(report.options.recorded()) if report.options else None
     payload["rows"] = [_row_json(r) for r in report.rows]
     payload["best"] = _row_json(report.best) if report.best else None
     payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]

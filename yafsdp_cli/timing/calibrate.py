@@ -43,6 +43,7 @@ from ..engine.plan import plan
 from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
 from ..errors import YafsdpError
 from ..gpu_table import DEVICE_NAMES
+from ..options import LayoutOptions
 from ..profiling.precision import Masters, cast_params
 from ..profiling.profile_options import ProfileOptions
 from .gpu_profile import GpuProfile
@@ -151,25 +152,23 @@ def tiny_op_seconds(device, repeat: int = 1000) -> float:
 
 def real_step_seconds(module: nn.Module, opts: ProfileOptions, warmup: int, steps: int) -> float:
     """The median of ``steps`` real training steps of ``module`` (on its device, in
-    ``opts.param_dtype``) after ``warmup``, as ``count_step`` counts one."""
+    ``opts.step.param_dtype``) after ``warmup``, as ``count_step`` counts one."""
     device = next(module.parameters()).device
-    cast_params(module, opts.param_dtype)
+    cast_params(module, opts.step.param_dtype)
     module.train()
-    units = plan(spec_from_module(module), units=opts.units).units
-    apply_checkpointing(module, opts.checkpointing, units)
-    batch = make_batch(
-        module, batch=opts.batch, seq_len=opts.seq_len, seed=opts.seed, input_shape=opts.input_shape
-    )
+    units = plan(spec_from_module(module), LayoutOptions(units=opts.layout.units)).units
+    apply_checkpointing(module, opts.step.checkpointing, units)
+    batch = make_batch(module, opts.step)
     params = list(module.parameters())
-    masters = Masters(module, params, opts.grad_dtype) if opts.param_dtype else None
+    masters = Masters(module, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     opt = make_optimizer(
-        opts.optimizer, masters.stepped if masters else params, opts.optimizer_impl
+        opts.step.optimizer, masters.stepped if masters else params, opts.step.optimizer_impl
     )
     times = []
     for i in range(warmup + steps):
         _sync(device)
         start = time.perf_counter()
-        step_loss(run_forward(module, batch), opts.seed).backward()
+        step_loss(run_forward(module, batch), opts.step.seed).backward()
         if masters is not None:
             masters.after_backward()
             masters.before_step()
@@ -201,9 +200,9 @@ def measure(
     ``opts``'s step into a profile over ``base``'s datasheet figures."""
     device = torch.device(device)
     module = loaded.build_module().to(device)
-    dtype_name = dtypes.canonical(opts.param_dtype) if opts.param_dtype else "float32"
+    dtype_name = dtypes.canonical(opts.step.param_dtype) if opts.step.param_dtype else "float32"
     dtype = getattr(torch, dtype_name)
-    shapes = training_matmuls(module, opts.batch * opts.seq_len)
+    shapes = training_matmuls(module, opts.step.batch * opts.step.seq_len)
     if not shapes:
         raise YafsdpError("the model has no linear layers: no training shapes to time")
     matmuls = tuple(
@@ -260,11 +259,11 @@ def _record(device, matmuls, hbm, tiny, opts: ProfileOptions) -> dict:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "step": {
-            "batch": opts.batch,
-            "seq_len": opts.seq_len,
-            "param_dtype": opts.param_dtype,
-            "optimizer": f"{opts.optimizer} ({opts.optimizer_impl})",
-            "checkpointing": opts.checkpointing,
+            "batch": opts.step.batch,
+            "seq_len": opts.step.seq_len,
+            "param_dtype": opts.step.param_dtype,
+            "optimizer": f"{opts.step.optimizer} ({opts.step.optimizer_impl})",
+            "checkpointing": opts.step.checkpointing,
         },
         "matmuls": [
             {"m": r.m, "k": r.k, "n": r.n, "count": r.count, "tflops": r.flops_per_s / 1e12}

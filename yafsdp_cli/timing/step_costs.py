@@ -11,9 +11,10 @@ ranks (``comm_volume``), it does not change a rank's kernels, except the optimiz
 step, which each rank takes on its own share (``step_estimate``).
 
 >>> from yafsdp_cli.sources import load_source
+>>> from yafsdp_cli.options import StepOptions
 >>> from yafsdp_cli.profiling import ProfileOptions
 >>> costs = count_step(load_source(None, model="sample_models.models:llama"),
-...                    ProfileOptions(fake=True, target="cuda", batch=2, seq_len=64))
+...                    ProfileOptions(step=StepOptions(target="cuda", seq_len=64), fake=True))
 >>> costs.phase("backward").model_flops == 2 * costs.phase("forward").model_flops
 True
 """
@@ -30,6 +31,7 @@ from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
+from ..options import LayoutOptions, StepOptions
 from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from ..profiling.kernels import CudaAttention
 from ..profiling.precision import Masters, cast_params
@@ -77,27 +79,23 @@ def count_step(loaded, opts: ProfileOptions | None = None) -> StepCosts:
     """The step's costs for ``loaded`` (``sources.load_source``'s result, or a module
     on the meta device or with real weights, which are never read) under ``opts``
     (``fake`` is implied; ``target`` None means ``cuda``: the kernels a GPU runs)."""
-    opts = opts or ProfileOptions(fake=True, target="cuda")
+    opts = opts or ProfileOptions(step=StepOptions(target="cuda"), fake=True)
     module, spec = _source_module(loaded)
     fake_mode = make_fake_mode()
     with fake_errors(True):
         with fake_mode:
             model = fake_copy(module, spec, "cpu")
-            cast_params(model, opts.param_dtype)
+            cast_params(model, opts.step.param_dtype)
             model.train()
-            units = plan(spec_from_module(model), units=opts.units).units
-            apply_checkpointing(model, opts.checkpointing, units)
-        batch = make_batch(
-            model,
-            batch=opts.batch,
-            seq_len=opts.seq_len,
-            seed=opts.seed,
-            input_shape=opts.input_shape,
-        )
-        cuda = (opts.target or "cuda") == "cuda"
+            units = plan(spec_from_module(model), LayoutOptions(units=opts.layout.units)).units
+            apply_checkpointing(model, opts.step.checkpointing, units)
+        batch = make_batch(model, opts.step)
+        cuda = (opts.step.target or "cuda") == "cuda"
         attention = CudaAttention() if cuda else None
         counter = OpCounter()
-        impl = "foreach" if opts.optimizer_impl == "auto" and cuda else opts.optimizer_impl
+        impl = (
+            "foreach" if opts.step.optimizer_impl == "auto" and cuda else opts.step.optimizer_impl
+        )
         with entered(fake_mode, FakeStep(), attention, counter):
             _counted_step(model, batch, opts, impl, counter)
     return _totals(counter.costs, opts, impl, model, attention)
@@ -113,14 +111,14 @@ def _source_module(loaded) -> tuple[nn.Module, object]:
 
 def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCounter) -> None:
     params = list(model.parameters())
-    masters = Masters(model, params, opts.grad_dtype) if opts.param_dtype else None
+    masters = Masters(model, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     stepped = masters.stepped if masters else params
-    opt = make_optimizer(opts.optimizer, stepped, impl)
+    opt = make_optimizer(opts.step.optimizer, stepped, impl)
     counter.phase = None  # the warm-up step is not counted
     warm_up(opt, stepped)
     counter.phase = "forward"
-    torch.manual_seed(opts.seed)
-    loss = step_loss(run_forward(model, batch), opts.seed)
+    torch.manual_seed(opts.step.seed)
+    loss = step_loss(run_forward(model, batch), opts.step.seed)
     counter.phase = "backward"
     _backward(loss)
     del loss
@@ -153,11 +151,11 @@ def _totals(costs, opts, impl, model, attention) -> StepCosts:
     return StepCosts(
         phases=tuple(phase_totals(ops, phase) for phase in PHASES),
         ops=ops,
-        tokens=opts.batch * opts.seq_len,
+        tokens=opts.step.batch * opts.step.seq_len,
         params=sum(trainable.values()),
         optimizer_impl=impl,
         attention=dict(attention.used) if attention else {},
-        checkpointing=opts.checkpointing,
+        checkpointing=opts.step.checkpointing,
     )
 
 

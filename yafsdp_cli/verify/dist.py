@@ -99,13 +99,13 @@ def torchrun_rank(source, model, trust_pickle, opts: VerifyOptions) -> VerifyRep
     from ..sources import load_source
 
     world = int(os.environ["WORLD_SIZE"])
-    if opts.world_size not in (1, world):
+    if opts.layout.world_size not in (1, world):
         raise YafsdpError(
-            f"--world-size {opts.world_size} but torchrun started {world} ranks; "
+            f"--world-size {opts.layout.world_size} but torchrun started {world} ranks; "
             "give the same number (or leave --world-size out)"
         )
     opts = with_world_size(opts, world)
-    _init(int(os.environ["RANK"]), world, "env://", opts.device)
+    _init(int(os.environ["RANK"]), world, "env://", opts.step.device)
     try:
         report = verify_this_rank(load_source(source, model=model, trust_pickle=trust_pickle), opts)
         dist.barrier()  # nobody tears the group down while another rank still uses it
@@ -125,7 +125,7 @@ def is_primary() -> bool:
 
 
 def run_world(jobs: list[tuple]) -> list[VerifyReport]:
-    """Verify each ``(source, model, trust_pickle, opts)`` on ``opts.world_size`` new
+    """Verify each ``(source, model, trust_pickle, opts)`` on ``opts.layout.world_size`` new
     processes (one launch for all jobs, so several models cost one start-up)."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
@@ -220,12 +220,12 @@ def verify_this_rank(loaded, opts: VerifyOptions) -> VerifyReport:
     """This process's part of a running distributed verify; the same report on every rank."""
     if not dist.is_initialized():
         raise YafsdpError(
-            f"world size {opts.world_size} in one process: use verify_source (it launches "
+            f"world size {opts.layout.world_size} in one process: use verify_source (it launches "
             "the ranks) or start the ranks with torchrun"
         )
     comm = DistComm()
-    if comm.world_size != opts.world_size:
-        raise YafsdpError(f"--world-size {opts.world_size}, but {comm.world_size} ranks run")
+    if comm.world_size != opts.layout.world_size:
+        raise YafsdpError(f"--world-size {opts.layout.world_size}, but {comm.world_size} ranks run")
     return run_rank(prepare(loaded, opts), opts, comm)
 
 
@@ -245,7 +245,7 @@ def recheck_reference(original, run, opts: VerifyOptions, comm: DistComm, store)
     first run; the first drift of the lowest rank that drifted (the same answer on
     every rank)."""
     put_back(original, store)
-    ref_opt = make_optimizer(opts.optimizer, original.parameters())
+    ref_opt = make_optimizer(opts.step.optimizer, original.parameters())
     with ReferenceStore() as again:
         for step in range(opts.steps):
             _reference_and_step(original, run, ref_opt, opts, step, comm, again)
@@ -281,10 +281,10 @@ def _run_rank(prep: Prepared, opts: VerifyOptions, comm: DistComm, store):
     if opts.compile:
         mirror_graph_breaks(original, prep.layout)
         idiom_notes = [*idiom_notes, COMPILE_NOTE]
-    tols = resolve_tolerances(opts.device, opts.atol, opts.rtol)
+    tols = resolve_tolerances(opts.step.device, opts.atol, opts.rtol)
     outputs, tensors = Recorder(tols), Recorder(tols)
-    ref_opt = make_optimizer(opts.optimizer, original.parameters())
-    opt = make_optimizer(opts.optimizer, sharded.parameters())
+    ref_opt = make_optimizer(opts.step.optimizer, original.parameters())
+    opt = make_optimizer(opts.step.optimizer, sharded.parameters())
     memory = None
     for step in range(opts.steps):
         ref_grads, ref_outs = _reference_and_step(
@@ -362,9 +362,9 @@ def _rank_memory(rank, twin, sharded: ShardedFlat, opt, prep: Prepared, opts: Ve
         optimizer_tensors(opt),
         list(twin.buffers()),
     )
-    r = allocation_rounding(opts.device)
+    r = allocation_rounding(opts.step.device)
     no_grad = frozenset(n for n, p in sharded.kept_parameters() if p.grad is None)
-    return rank_memory(rank, held_bytes(groups, r), prep.layout, opts.optimizer, r, no_grad)
+    return rank_memory(rank, held_bytes(groups, r), prep.layout, opts.step.optimizer, r, no_grad)
 
 
 def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, memory, notes):
@@ -378,7 +378,7 @@ def _merge(prep, opts, comm: DistComm, outputs: Recorder, tensors: Recorder, mem
     memories = tuple(m for _, m in parts)
     notes = [*notes, BUFFERS_NOTE]
     half = any(b.dtype in ("bfloat16", "float16") for b in prep.layout.buffers)
-    if opts.optimizer == "sgd" and half:
+    if opts.step.optimizer == "sgd" and half:
         notes.append(SGD_NOTE)
     backend = dist.get_backend()
     return build_report(prep, opts, merged, memories, backend=backend, extra_notes=notes)

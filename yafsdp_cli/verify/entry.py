@@ -8,6 +8,7 @@ import torch
 
 from ..engine.plan import plan
 from ..errors import YafsdpError
+from ..options import LayoutOptions
 from .budget import peak_rss
 from .dist import launched_by_torchrun, run_world, torchrun_rank, verify_this_rank
 from .harness import VerifyOptions, VerifyReport, prepare
@@ -22,11 +23,11 @@ def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> Ver
     ``MemoryBudgetError`` before anything is allocated, or, without ``--blocks``,
     runs on the most blocks that fit. ``on_plan(RunPlan)`` is called before the run.
 
-    With ``opts.world_size > 1`` this process must be one rank of a running
+    With ``opts.layout.world_size > 1`` this process must be one rank of a running
     ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
     """
     opts = opts or VerifyOptions()
-    if opts.world_size > 1:
+    if opts.layout.world_size > 1:
         return verify_this_rank(loaded, opts)
     run_plan = plan_run(loaded, opts)
     if on_plan is not None:
@@ -55,7 +56,7 @@ def verify_source(
     opts=None,
     on_plan=None,
 ) -> VerifyReport:
-    """Load ``source`` (and/or ``--model``) and verify it, on ``opts.world_size``
+    """Load ``source`` (and/or ``--model``) and verify it, on ``opts.layout.world_size``
     processes when that is more than one (launched here, or this process's rank
     when started by torchrun)."""
     from ..sources import load_source
@@ -64,7 +65,7 @@ def verify_source(
     if launched_by_torchrun():
         return torchrun_rank(source, model, trust_pickle, opts)
     loaded = load_source(source, model=model, trust_pickle=trust_pickle)
-    if opts.world_size == 1:
+    if opts.layout.world_size == 1:
         return verify_model(loaded, opts, on_plan)
     check_before_launch(loaded, opts)
     run_plan = plan_run(loaded, opts)
@@ -76,25 +77,19 @@ def verify_source(
 
 def check_before_launch(loaded, opts: VerifyOptions) -> None:
     """Fail here, with one clear error, on what every rank would fail on."""
-    if opts.device == "cuda" and not torch.cuda.is_available():
+    if opts.step.device == "cuda" and not torch.cuda.is_available():
         raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
     if loaded.module is None and loaded.factory is None:
         loaded.build_module()  # raises the "needs its architecture" error
-    layout = plan(
-        loaded.spec,
-        filters=opts.filters,
-        excludes=opts.excludes,
-        units=opts.units,
-        world_size=opts.world_size,
-        align=opts.align,
-    )
+    layout = plan(loaded.spec, opts.layout)
     if not layout.buffers:
         raise YafsdpError("the filters select no parameter to convert; nothing to verify")
 
 
-def model_check(loaded, selection: dict) -> tuple[bool | None, str]:
+def model_check(loaded, layout: LayoutOptions) -> tuple[bool | None, str]:
     """``yafsdp verify``'s single-process check of the original against the model
-    converted with the same selection and alignment: (passed or None, what happened).
+    converted with the same layout piece as ``convert``'s: (passed or None, what
+    happened).
 
     The byte round trip shows the file holds the source's tensors; this shows the
     converted model computes the same outputs, gradients and optimizer step."""
@@ -103,7 +98,7 @@ def model_check(loaded, selection: dict) -> tuple[bool | None, str]:
             "not run: no architecture (give --model package.module:factory or a Hugging "
             "Face folder)"
         )
-    opts = VerifyOptions(**selection)
+    opts = VerifyOptions(layout=layout)
     try:
         report = verify_model(loaded, opts)
     except YafsdpError as exc:

@@ -52,7 +52,7 @@ from ..engine.plan import plan
 from ..engine.train_step import make_batch
 from ..errors import YafsdpError
 from ..memory.estimate import MemoryConfig, estimate_memory
-from ..options import Composed, LayoutOptions, StepOptions, check_at_least
+from ..options import LayoutOptions, StepOptions, check_at_least
 from .blocks import BlockChoice, blocked_source, build_with_blocks, parse_blocks
 from .budget import Budget
 from .compare import (  # noqa: F401 - the comparison is part of verify's API
@@ -68,35 +68,16 @@ from .compare import (  # noqa: F401 - the comparison is part of verify's API
 MEMORY_TOLERANCE_PERCENT = 1.0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, init=False)
-class VerifyOptions(Composed):
+# both sides step with foreach=False
+VERIFY_STEP = StepOptions(optimizer_impl="for-loop")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyOptions:
     """What to run; every field has the CLI's default."""
 
-    FIELDS = (
-        "steps",
-        "micro_batches",
-        "optimizer",
-        "filters",
-        "excludes",
-        "units",
-        "world_size",
-        "align",
-        "atol",
-        "rtol",
-        "batch",
-        "seq_len",
-        "input_shape",
-        "seed",
-        "device",
-        "top",
-        "checkpointing",
-        "compile",
-        "blocks",
-    )
-    DEFAULTS = {"optimizer_impl": "for-loop"}  # both sides step with foreach=False
-
-    layout: LayoutOptions
-    step: StepOptions
+    layout: LayoutOptions = LayoutOptions()
+    step: StepOptions = VERIFY_STEP
     steps: int = 3
     micro_batches: int = 2
     atol: float | None = None
@@ -239,33 +220,26 @@ def prepare(loaded, opts: VerifyOptions, *, world_size: int | None = None) -> Pr
         module = build_with_blocks(loaded, blocked, parse_blocks(opts.blocks, blocked.total))
     else:
         module = loaded.build_module()
-    if opts.device == "cuda":
+    if opts.step.device == "cuda":
         if not torch.cuda.is_available():
             raise YafsdpError("--device cuda: no CUDA device is available; use --device cpu")
         module = module.to("cuda")
     module.train()
-    layout = plan_for(module, opts, world_size or opts.world_size)
+    layout = plan_for(module, opts, world_size or opts.layout.world_size)
     if not layout.buffers:
         raise YafsdpError("the filters select no parameter to convert; nothing to verify")
     return Prepared(loaded.spec.source, module, layout)
 
 
 def plan_for(module: nn.Module, opts: VerifyOptions, world_size: int) -> Layout:
-    return plan(
-        spec_from_module(module),
-        filters=opts.filters,
-        excludes=opts.excludes,
-        units=opts.units,
-        world_size=world_size,
-        align=opts.align,
-    )
+    return plan(spec_from_module(module), replace(opts.layout, world_size=world_size))
 
 
 def with_idioms(module: nn.Module, layout: Layout, opts: VerifyOptions):
     """Apply ``--checkpointing`` to ``module`` (one of the two models, after the deep
     copy) and return what runs its forward (``--compile``'s compiled module or itself)
     with what was done, in words. Run both inside ``numerics.pinned``."""
-    done = apply_checkpointing(module, opts.checkpointing, layout.units)
+    done = apply_checkpointing(module, opts.step.checkpointing, layout.units)
     words = [f"activation checkpointing: {done} (both models)"] if done else []
     if opts.compile:
         words += ["torch.compile (inductor) of both models"]
@@ -274,13 +248,11 @@ def with_idioms(module: nn.Module, layout: Layout, opts: VerifyOptions):
 
 
 def micro_seed(opts: VerifyOptions, step: int, micro: int, rank: int = 0) -> int:
-    return opts.seed + 1_000_003 * step + 1009 * micro + 17 * rank
+    return opts.step.seed + 1_000_003 * step + 1009 * micro + 17 * rank
 
 
 def batch_for(module: nn.Module, opts: VerifyOptions, seed: int):
-    return make_batch(
-        module, batch=opts.batch, seq_len=opts.seq_len, seed=seed, input_shape=opts.input_shape
-    )
+    return make_batch(module, opts.step, seed=seed)
 
 
 def unused_kept(kept) -> frozenset[str]:
@@ -315,9 +287,9 @@ def build_report(prep, opts, rec: Recorder, memory, *, backend: str, extra_notes
         ok=rec.failures == 0 and memory_ok,
         steps=opts.steps,
         micro_batches=opts.micro_batches,
-        optimizer=opts.optimizer,
+        optimizer=opts.step.optimizer,
         world_size=layout.world_size,
-        device=opts.device,
+        device=opts.step.device,
         backend=backend,
         flat_buffers=len(layout.buffers),
         converted=sum(len(b.entries) for b in layout.buffers),
@@ -334,4 +306,4 @@ def build_report(prep, opts, rec: Recorder, memory, *, backend: str, extra_notes
 
 
 def with_world_size(opts: VerifyOptions, world_size: int) -> VerifyOptions:
-    return replace(opts, world_size=world_size)
+    return replace(opts, layout=replace(opts.layout, world_size=world_size))

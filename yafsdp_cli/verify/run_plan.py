@@ -25,7 +25,7 @@ from .budget import (
     estimate_peak,
     process_rss,
 )
-from .harness import VerifyOptions, batch_for
+from .harness import VerifyOptions, batch_for, with_world_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +68,16 @@ def plan_run(loaded, opts: VerifyOptions, available: Available | None = None) ->
 
 def budget_for(loaded, opts: VerifyOptions, available: Available, choice=None) -> Budget:
     meta, spec = _meta_and_spec(loaded, choice)
-    layout = plan(
-        spec, filters=opts.filters, excludes=opts.excludes, units=opts.units, align=opts.align
-    )
+    layout = plan(spec, replace(opts.layout, world_size=1))
     activations = -1
     if meta is not None:
         try:
-            activations = estimate_activations(meta, batch_for(meta, opts, opts.seed))
+            activations = estimate_activations(meta, batch_for(meta, opts, opts.step.seed))
         except YafsdpError:
             activations = -1
-    ranks, models = (opts.world_size, 2) if opts.world_size > 1 else (1, 1)
+    ranks, models = (opts.layout.world_size, 2) if opts.layout.world_size > 1 else (1, 1)
     estimate = estimate_peak(
-        layout, opts.optimizer, activations, ranks=ranks, models=models, offloaded=ranks == 1
+        layout, opts.step.optimizer, activations, ranks=ranks, models=models, offloaded=ranks == 1
     )
     return Budget(estimate, available, process_rss())
 
@@ -134,12 +132,13 @@ def _suggestions(loaded, opts, available, choice) -> tuple[tuple[str, int], ...]
     """Options that would fit, each with its estimate."""
     out = []
     for optimizer in ("sgd", "none"):
-        if opts.optimizer not in (optimizer, "none"):
-            b = budget_for(loaded, replace(opts, optimizer=optimizer), available, choice)
+        if opts.step.optimizer not in (optimizer, "none"):
+            lighter = replace(opts, step=replace(opts.step, optimizer=optimizer))
+            b = budget_for(loaded, lighter, available, choice)
             if b.fits:
                 out.append((f"--optimizer {optimizer}", b.estimate.total))
-    if opts.world_size > 1:
-        b = budget_for(loaded, replace(opts, world_size=1), available, choice)
+    if opts.layout.world_size > 1:
+        b = budget_for(loaded, with_world_size(opts, 1), available, choice)
         if b.fits:
             out.append(("one process (no --world-size)", b.estimate.total))
     try:

@@ -85,7 +85,7 @@ def _run_single(prep: Prepared, opts: VerifyOptions, threads: int, rebuild) -> V
         flat = convert_module(module, prep.layout)
         release_freed()  # the parameters' old storages, now copied into the flat buffers
         run = compiled(module) if opts.compile else module
-        rec = Recorder(resolve_tolerances(opts.device, opts.atol, opts.rtol))
+        rec = Recorder(resolve_tolerances(opts.step.device, opts.atol, opts.rtol))
         apply(threads)
         memory, drift = run_converted(flat, run, opts, store, rec, drawn, prep.layout)
         rerun = None
@@ -116,7 +116,7 @@ def recheck_original(module, layout: Layout, opts: VerifyOptions, store: Referen
 def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> list[bytes]:
     """Every step of the original, kept on disk; the generators' state after each
     micro-batch."""
-    opt = OffloadedOptimizer(opts.optimizer, module.parameters(), store.folder, "original")
+    opt = OffloadedOptimizer(opts.step.optimizer, module.parameters(), store.folder, "original")
     drawn = []
     for step in range(opts.steps):
         outputs = {}
@@ -140,7 +140,7 @@ def run_original(module, run, opts: VerifyOptions, store: ReferenceStore) -> lis
 def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Recorder, drawn, layout):
     """The converted model's steps, each tensor compared with the original's on disk."""
     module = flat.module
-    opt = OffloadedOptimizer(opts.optimizer, flat.parameters(), store.folder, "converted")
+    opt = OffloadedOptimizer(opts.step.optimizer, flat.parameters(), store.folder, "converted")
     memory, drift = None, []
     for step in range(opts.steps):
         with store.open_step(step, _device(opts)) as handle:
@@ -165,15 +165,15 @@ def run_converted(flat: FlatModel, run, opts, store: ReferenceStore, rec: Record
 
 
 def _device(opts: VerifyOptions) -> str:
-    return "cuda:0" if opts.device == "cuda" else "cpu"
+    return "cuda:0" if opts.step.device == "cuda" else "cpu"
 
 
 def _single_memory(
     flat: FlatModel, opt: OffloadedOptimizer, layout: Layout, opts: VerifyOptions
 ) -> RankMemory:
     params = flat.parameters()
-    r = allocation_rounding(opts.device)
+    r = allocation_rounding(opts.step.device)
     grads = [p.grad for p in params]
     held = held_bytes((params, grads, [], list(flat.module.buffers())), r)
     held = replace(held, optimizer=opt.held_bytes(r))  # on disk, but a training run holds it
-    return rank_memory(0, held, layout, opts.optimizer, r, unused_kept(flat.kept_parameters()))
+    return rank_memory(0, held, layout, opts.step.optimizer, r, unused_kept(flat.kept_parameters()))
