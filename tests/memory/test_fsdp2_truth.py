@@ -21,8 +21,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from helpers import options
+
 from tests.fsdp2_ranks import CONFIGS, Held, Job, launch  # noqa: E402
 from yafsdp_cli.inspection.build import inspect_model  # noqa: E402
+from yafsdp_cli.inspection.inspect_options import InspectOptions  # noqa: E402
 from yafsdp_cli.report.inspect_view import payload  # noqa: E402
 from yafsdp_cli.sources import load_source  # noqa: E402
 
@@ -55,11 +58,14 @@ def inspected(folders, job: Job, world: int, round_bytes: int = 1) -> dict:
     """The fsdp scheme of ``inspect --json`` with the options that describe ``job``."""
     report = inspect_model(
         folders[job.model],
-        world_size=world,
-        param_dtype=None if job.dtype == "float32" else job.dtype,
-        master_weights=None if job.mixed or job.dtype == "float32" else False,
-        fsdp_placement="auto" if job.placement_fn else "dim0",
-        round_bytes=round_bytes,
+        options(
+            InspectOptions,
+            world_size=world,
+            param_dtype=None if job.dtype == "float32" else job.dtype,
+            master_weights=None if job.mixed or job.dtype == "float32" else False,
+            fsdp_placement="auto" if job.placement_fn else "dim0",
+            round_bytes=round_bytes,
+        ),
     )
     doc = payload(report)
     return {

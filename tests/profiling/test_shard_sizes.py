@@ -123,14 +123,19 @@ def test_a_plan_of_rewritten_steps_equals_one_of_fake_steps_alone(llama, monkeyp
 def test_the_runner_rewrites_a_step_it_has_and_runs_one_it_has_not(llama):
     """A later run (a reserved replay of the best row) at a micro-batch already run
     above world size 1 takes no fake step, and its figures are the step's own."""
+    from yafsdp_cli.planning.cell import Cell
     from yafsdp_cli.planning.measure import Runner, measure_peaks
 
     opts = options(PlanOptions, gpu_memory=1 << 30, world_sizes=(2, 4, 8), seq_len=64, jobs=1)
     runner = Runner(llama, opts, 64, lambda ws: 0)
-    runner.prefetch([(2, 1, "none"), (2, 2, "none"), (8, 1, "none"), (1, 1, "none")])
+    runner.prefetch(
+        [Cell.at(2, 1, "none"), Cell.at(2, 2, "none"), Cell.at(8, 1, "none"), Cell.at(1, 1, "none")]
+    )
     assert (runner.runs, runner.steps) == (4, 3)
-    runner.prefetch([(4, 2, "none")])
+    runner.prefetch([Cell.at(4, 2, "none")])
     assert (runner.runs, runner.steps) == (5, 3)
-    assert runner.figures((4, 2, "none")) == measure_peaks(llama, opts, 64, (4, 2, "none"))
-    runner.prefetch([(4, 4, "none"), (8, 4, "none")])
+    assert runner.figures(Cell.at(4, 2, "none")) == measure_peaks(
+        llama, opts, 64, Cell.at(4, 2, "none")
+    )
+    runner.prefetch([Cell.at(4, 4, "none"), Cell.at(8, 4, "none")])
     assert (runner.runs, runner.steps) == (7, 4)

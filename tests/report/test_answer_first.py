@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tests.conftest import SAMPLES
 from yafsdp_cli.inspection.build import inspect_model
+from yafsdp_cli.inspection.inspect_options import InspectOptions
 from yafsdp_cli.profiling import ProfileOptions, profile_model
 from yafsdp_cli.report import inspect_view, profile_view
 from yafsdp_cli.report.formatting import human_bytes
@@ -26,7 +27,7 @@ FIGURE = re.compile(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)")
 
 @pytest.fixture(scope="module")
 def inspected():
-    return inspect_model(load_source(LLAMA), world_size=8)
+    return inspect_model(load_source(LLAMA), options(InspectOptions, world_size=8))
 
 
 @pytest.fixture(scope="module")

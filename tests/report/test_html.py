@@ -9,12 +9,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from helpers import options
 from typer.testing import CliRunner
 
 from benchmarks.bench_inspect_70b import write_sparse
 from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
 from yafsdp_cli.inspection.build import inspect_model
+from yafsdp_cli.inspection.inspect_options import InspectOptions
 from yafsdp_cli.memory.headroom import fit_by_share
 from yafsdp_cli.report.formatting import human_bytes
 from yafsdp_cli.report.html_pages import inspect_page, plan_heatmap
@@ -170,7 +172,7 @@ def test_page_is_self_contained(tmp_path):
 def test_identical_blocks_fold_behind_one_control_and_every_buffer_is_there(tmp_path):
     header = tmp_path / "llama70b.safetensors"
     write_sparse(header)
-    report = inspect_model(load_source(str(header)), world_size=256)
+    report = inspect_model(load_source(str(header)), options(InspectOptions, world_size=256))
     text = inspect_page(report)
     assert len(text.encode()) < 2_000_000  # the product's bar is 2 MB (the 5 MB)
     dom = Dom(text)

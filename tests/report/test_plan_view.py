@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import options
 
 from yafsdp_cli.memory.headroom import FITS, OVER, TIGHT, Fit
 from yafsdp_cli.report import plan_view
@@ -94,7 +95,8 @@ def planned():
     from yafsdp_cli.sources import load_source
 
     loaded = load_source(None, model="sample_models.models:gpt")
-    opts = PlanOptions(
+    opts = options(
+        PlanOptions,
         gpu_memory=80 * 2**30,
         world_sizes=(1, 2),
         micro_batches=(1, 2),

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from helpers import options
 from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
@@ -18,6 +19,7 @@ from tests.conftest import SAMPLES
 from yafsdp_cli.cli import app
 from yafsdp_cli.cli.progress import StageBar, WaitBar
 from yafsdp_cli.inspection.build import inspect_model
+from yafsdp_cli.inspection.inspect_options import InspectOptions
 from yafsdp_cli.report.bars import GLYPHS, BarRow, StackedBars, cells
 from yafsdp_cli.report.formatting import human_bytes
 from yafsdp_cli.report.inspect_view import memory_bars
@@ -48,7 +50,7 @@ def test_cells_fill_each_rows_share_of_the_width(parts, width, extra):
 
 
 def llama_report():
-    return inspect_model(load_source(LLAMA), world_size=8)
+    return inspect_model(load_source(LLAMA), options(InspectOptions, world_size=8))
 
 
 def llama_bars():

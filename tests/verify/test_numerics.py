@@ -121,7 +121,7 @@ UNDER_LOAD = textwrap.dedent(
 
     single.convert_module = convert
     src = load_source("sample_models/gpt.safetensors", model="sample_models.models:gpt")
-    r = verify_model(src, options(VerifyOptions, steps=1))
+    r = verify_model(src, VerifyOptions(steps=1))
     print(json.dumps({{"ok": r.ok, "reproducible": r.reproducible, "pinned": r.pinned}}))
     """
 )

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.train_step import make_batch
+from yafsdp_cli.options import StepOptions
 from yafsdp_cli.profiling import ProfileOptions, profile_source
 from yafsdp_cli.sources import load_source
 from yafsdp_cli.verify import VerifyOptions, verify_model
@@ -52,7 +53,7 @@ def test_verify_matches_exactly_in_one_process(folders, name):
 
 def test_inputs_follow_the_config(folders):
     t5 = load_source(folders["t5"]).build_module()
-    batch = make_batch(t5, batch=3, seq_len=5)
+    batch = make_batch(t5, StepOptions(batch=3, seq_len=5))
     assert set(batch.kwargs) == {"input_ids", "decoder_input_ids", "use_cache"}
     assert batch.kwargs["input_ids"].shape == (3, 5) and batch.kwargs["use_cache"] is False
     assert int(batch.kwargs["decoder_input_ids"].max()) < VOCAB

@@ -130,8 +130,8 @@ def run_world(jobs: list[tuple]) -> list[VerifyReport]:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    world = jobs[0][3].world_size
-    if any(job[3].world_size != world for job in jobs):
+    world = jobs[0][3].layout.world_size
+    if any(job[3].layout.world_size != world for job in jobs):
         raise YafsdpError("run_world: every job must have the same world size")
     # torch logs a warning line per rank it stops after another died: the one
     # error line below says what happened
@@ -156,7 +156,7 @@ def _worker(rank: int, world: int, tmp: str, jobs: list[tuple]) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        _init(rank, world, f"file://{tmp}/store", jobs[0][3].device)
+        _init(rank, world, f"file://{tmp}/store", jobs[0][3].step.device)
         reports = [
             verify_this_rank(load_source(src, model=model, trust_pickle=trust), opts)
             for src, model, trust, opts in jobs
