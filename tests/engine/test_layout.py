@@ -75,7 +75,7 @@ def test_random_layouts_keep_every_invariant(items, world_size, align):
     spec = ModelSpec(tensors, has_architecture=False)
     units = ("blocks.0", "blocks.1")
     layout = plan_layout(
-        spec, tensors, assign_units(spec, units), world_size=world_size, align=align
+        spec, tensors, assign_units(spec, units), LayoutOptions(world_size=world_size, align=align)
     )
     policy = parse_align(align)
     seen = []

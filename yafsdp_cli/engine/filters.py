@@ -24,6 +24,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import FilterError, YafsdpError
 from . import dtypes
@@ -101,17 +102,24 @@ def default_selected(t: TensorRecord) -> bool:
     return t.is_param and t.floating
 
 
-def select(
-    spec: ModelSpec, filters: Sequence[str] = (), excludes: Sequence[str] = ()
-) -> tuple[TensorRecord, ...]:
-    """The parameters to convert, in model order.
+class Selection(Protocol):
+    """Which parameters a layout converts: ``options.LayoutOptions`` (the engine
+    cannot import the options room, which sits above it, so it names what it reads)."""
+
+    filters: Sequence[str]
+    excludes: Sequence[str]
+
+
+def select(spec: ModelSpec, selection: Selection | None = None) -> tuple[TensorRecord, ...]:
+    """The parameters ``selection`` converts (None: every floating parameter), in
+    model order.
 
     Raises ``FilterError`` for a malformed expression, for a module-kind filter on a
     spec without architecture, and for a ``--filter`` that matches no parameter (the
     message lists what the model has).
     """
-    incl = [parse_filter(f) for f in filters]
-    excl = [parse_filter(f) for f in excludes]
+    incl = [parse_filter(f) for f in (selection.filters if selection else ())]
+    excl = [parse_filter(f) for f in (selection.excludes if selection else ())]
     params = spec.params
     for f in (*incl, *excl):
         if f.needs_architecture and not spec.has_architecture:

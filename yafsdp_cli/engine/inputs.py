@@ -10,6 +10,8 @@ gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -24,15 +26,34 @@ def first_layer(module: nn.Module) -> nn.Module | None:
     return None
 
 
+class BatchChoice(Protocol):
+    """The inputs of a step: ``options.StepOptions`` (the engine cannot import the
+    options room, which sits above it, so it names the fields it reads)."""
+
+    batch: int
+    seq_len: int | None
+    seed: int
+    input_shape: Sequence[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDefaults:
+    """``StepOptions()``'s inputs."""
+
+    batch: int = 2
+    seq_len: int | None = 16
+    seed: int = 0
+    input_shape: Sequence[int] | None = None
+
+
 def make_input(
-    module: nn.Module,
-    *,
-    batch: int = 2,
-    seq_len: int = 16,
-    seed: int = 0,
-    input_shape: Sequence[int] | None = None,
+    module: nn.Module, step: BatchChoice | None = None, *, seed: int | None = None
 ) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    """One seeded input tensor for ``module`` as ``step`` says (None: the defaults);
+    ``seed`` in place of the step's."""
+    step = BatchDefaults() if step is None else step
+    batch, seq_len, input_shape = step.batch, step.seq_len, step.input_shape
+    g = torch.Generator().manual_seed(step.seed if seed is None else seed)
     layer = first_layer(module)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if isinstance(layer, nn.Embedding):

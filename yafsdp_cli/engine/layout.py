@@ -39,6 +39,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import LayoutError, YafsdpError
 from ..numbers import MAX_ROUND_BYTES, shown
@@ -194,13 +195,26 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+class Sharding(Protocol):
+    """How far and how a layout's buffers are split: ``options.LayoutOptions`` (the
+    engine cannot import the options room, which sits above it)."""
+
+    world_size: int
+    align: AlignSpec | str
+
+
+@dataclass(frozen=True, slots=True)
+class _OneRank:
+    world_size: int = 1
+    align: AlignSpec | str = "yafsdp"
+
+
 def plan_layout(
     spec: ModelSpec,
     selected: Sequence[TensorRecord],
     unit_of: Mapping[str, str],
+    sharding: Sharding | None = None,
     *,
-    world_size: int = 1,
-    align: AlignSpec | str = "yafsdp",
     units: Sequence[str] = (),
 ) -> Layout:
     """Pack ``selected`` parameters into one buffer per (unit, dtype, trainable).
@@ -209,6 +223,8 @@ def plan_layout(
     Buffers appear in the order of their first parameter; the result is checked
     with ``check_layout``.
     """
+    sharding = _OneRank() if sharding is None else sharding
+    world_size, align = sharding.world_size, sharding.align
     if world_size < 1:
         raise YafsdpError(f"--world-size must be at least 1, got {world_size}")
     spec_align = parse_align(align) if isinstance(align, str) else align

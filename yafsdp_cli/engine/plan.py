@@ -45,14 +45,7 @@ def plan(spec: ModelSpec, layout: LayoutChoice | None = None) -> Layout:
     32
     """
     choice = _Defaults() if layout is None else layout
-    selected = select(spec, choice.filters, choice.excludes)
+    selected = select(spec, choice)
     unit_names = resolve_units(spec, choice.units)
     unit_of = assign_units(spec, unit_names)
-    return plan_layout(
-        spec,
-        selected,
-        unit_of,
-        world_size=choice.world_size,
-        align=choice.align,
-        units=unit_names,
-    )
+    return plan_layout(spec, selected, unit_of, choice, units=unit_names)

@@ -21,16 +21,15 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..errors import YafsdpError
 from .choices import OPTIMIZER_IMPLS, OPTIMIZERS, check_optimizer  # noqa: F401 - the step's API
-from .inputs import make_input, projection_loss
+from .inputs import BatchChoice, BatchDefaults, make_input, projection_loss
 
 OptimizerImpl = Literal["auto", "for-loop", "foreach", "fused"]
 LR = 1e-3
@@ -65,45 +64,23 @@ class Batch:
         return Batch(tuple(one(a) for a in self.args), {k: one(v) for k, v in self.kwargs.items()})
 
 
-class BatchChoice(Protocol):
-    """The inputs of a step: ``options.StepOptions`` (the engine cannot import the
-    options room, which sits above it, so it names the fields it reads)."""
-
-    batch: int
-    seq_len: int | None
-    seed: int
-    input_shape: Sequence[int] | None
-
-
-@dataclass(frozen=True, slots=True)
-class _BatchDefaults:
-    """``StepOptions()``'s inputs."""
-
-    batch: int = 2
-    seq_len: int | None = 16
-    seed: int = 0
-    input_shape: Sequence[int] | None = None
-
-
 def make_batch(
     module: nn.Module, step: BatchChoice | None = None, *, seed: int | None = None
 ) -> Batch:
     """Seeded inputs for ``module`` (see the module docstring), as the step options
     ``step`` say (None: the defaults); ``seed`` in place of the step's (verify seeds
     each micro-batch of each rank on its own)."""
-    step = _BatchDefaults() if step is None else step
-    batch, seq_len, input_shape = step.batch, step.seq_len, step.input_shape
+    step = BatchDefaults() if step is None else step
     seed = step.seed if seed is None else seed
     main = getattr(module, "main_input_name", None)
     config = getattr(module, "config", None)
     if isinstance(main, str) and hasattr(config, "to_dict"):
-        return _hf_batch(module, main, config, batch, seq_len, seed, input_shape)
-    return Batch(
-        (make_input(module, batch=batch, seq_len=seq_len, seed=seed, input_shape=input_shape),)
-    )
+        return _hf_batch(module, main, config, step, seed)
+    return Batch((make_input(module, step, seed=seed),))
 
 
-def _hf_batch(module, main, config, batch, seq_len, seed, input_shape) -> Batch:
+def _hf_batch(module, main, config, step: BatchChoice, seed: int) -> Batch:
+    batch, seq_len, input_shape = step.batch, step.seq_len, step.input_shape
     g = torch.Generator().manual_seed(seed)
     device = _device_of(module)
     kwargs: dict[str, Any] = {}
@@ -198,11 +175,11 @@ def rng_fingerprint() -> bytes:
     return b"".join(bytes(p.numpy().tobytes()) for p in parts)
 
 
-def forward_backward(model: nn.Module, batch: Batch, seed: int) -> torch.Tensor:
+def forward_backward(model: nn.Module, inputs: Batch, seed: int) -> torch.Tensor:
     """One micro-batch: forward (dropout seeded by ``seed``: ``torch.manual_seed`` sets
     the CPU and every CUDA generator), loss, backward; the output."""
     torch.manual_seed(seed)
-    out = run_forward(model, batch)
+    out = run_forward(model, inputs)
     step_loss(out, seed).backward()
     return output_tensor(out).detach()
 
