@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from sample_models.models import gpt
 from yafsdp_cli import CheckpointError, convert_module, plan, spec_from_module
 from yafsdp_cli.checkpoint import open_flat
-from yafsdp_cli.checkpoint.flat_training import FIELDS, MASTER, flat_adamw, stepped
+from yafsdp_cli.checkpoint.flat_training import ADAM_STATES, MASTER, flat_adamw, stepped
 from yafsdp_cli.checkpoint.optim_state import SEP
 from yafsdp_cli.checkpoint.sharded_training import save_sharded_training, sharded_adamw
 from yafsdp_cli.engine.sharded import DistComm, ShardedFlat, fold
@@ -198,7 +198,7 @@ def _stored(flat, opt) -> dict[str, torch.Tensor]:
     for b in flat.buffers:
         master = stepped(opt, b.param)
         out[b.layout.name] = b.param.detach().clone()
-        for f in FIELDS:
+        for f in ADAM_STATES:
             out[f"{b.layout.name}{SEP}{f}"] = opt.state[master][f].clone()
         if master is not b.param:
             out[f"{b.layout.name}{SEP}{MASTER}"] = master.clone()

@@ -26,14 +26,14 @@ from ..engine import dtypes
 from ..engine.flat import FlatModel
 from ..errors import CheckpointError
 from .flat_writer import stored_kept, write_flat
-from .master_weights import MASTER_FIELDS
+from .master_weights import MASTER_STATES
 from .optim_state import SEP, OptimState, decode, encode, path_of
 from .reader import FlatCheckpoint, open_flat
 from .restore.read_back import nest
 from .writer import check_flat_name, check_output, staged_output
 
-FIELDS = ("exp_avg", "exp_avg_sq")
-MASTER = MASTER_FIELDS[0]  # the field name masters are saved under
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+MASTER = MASTER_STATES[0]  # the field name masters are saved under
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -160,7 +160,7 @@ def load_adamw(opt, ckpt: FlatCheckpoint, pairs, read) -> None:
             if master is not param:
                 master.copy_(read(stored[f"{layout.name}{SEP}{field}"]))
         state = {"step": _step(ckpt.optim, extras, layout)}
-        for f in FIELDS:
+        for f in ADAM_STATES:
             state[f] = read(stored[f"{layout.name}{SEP}{f}"])
         opt.state[master] = state
     opt.param_groups[0].update(_hyperparameters(ckpt.optim, extras))
@@ -222,7 +222,8 @@ def _flattened_groups(extras: dict, root: tuple) -> list[dict]:
 
 def adamw_extras(ckpt: FlatCheckpoint) -> dict:
     optim = ckpt.optim
-    if optim is None or optim.kind != "adam" or set(optim.dtypes) - {optim.masters} != set(FIELDS):
+    states = set(optim.dtypes) - {optim.masters} if optim is not None else set()
+    if optim is None or optim.kind != "adam" or states != set(ADAM_STATES):
         raise CheckpointError(
             f"{ckpt.root}: holds no AdamW state ({optim.kind if optim else 'weights only'})"
         )
@@ -277,12 +278,12 @@ def adamw_record(pairs, opt: torch.optim.Optimizer) -> OptimState:
     for layout, param in pairs:
         master = stepped(opt, param)
         state = opt.state.get(master)
-        if not state or set(state) != {"step", *FIELDS}:
+        if not state or set(state) != {"step", *ADAM_STATES}:
             raise CheckpointError(
                 f"{layout.name}: the optimizer keeps {sorted(state or {})}, not AdamW's "
                 "step, exp_avg and exp_avg_sq; save after the optimizer's first step"
             )
-        fields = (*FIELDS, MASTER) if master is not param else FIELDS
+        fields = (*ADAM_STATES, MASTER) if master is not param else ADAM_STATES
         for f in fields:
             t = master if f == MASTER else state[f]
             found.setdefault(f, {})[layout.name] = dtypes.from_torch(t.dtype)
@@ -327,7 +328,7 @@ def training_tensors(pairs, opt: torch.optim.Optimizer) -> dict[str, torch.Tenso
     for layout, param in pairs:
         master = stepped(opt, param)
         out[layout.name] = param.detach()
-        for f in FIELDS:
+        for f in ADAM_STATES:
             out[f"{layout.name}{SEP}{f}"] = opt.state[master][f]
         if master is not param:
             out[f"{layout.name}{SEP}{MASTER}"] = master

@@ -35,19 +35,19 @@ from ..engine import dtypes
 from ..engine.layout import Layout
 from ..errors import CheckpointError
 
-MASTER_FIELDS = ("master_param", "fp32_param")  # Transformer Engine's, Megatron-core's
+MASTER_STATES = ("master_param", "fp32_param")  # Transformer Engine's, Megatron-core's
 MASTER_DTYPES = ("float32", "float64")
 
 
 def master_field(fields: Iterable[str]) -> str | None:
     """The master weights' field among a record's state fields, if any."""
-    return next((f for f in fields if f in MASTER_FIELDS), None)
+    return next((f for f in fields if f in MASTER_STATES), None)
 
 
 def check_masters(tensors, stateful: set[str], layout: Layout, where: str) -> None:
     """``tensors`` (``StateTensor``s, shapes and dtypes already checked) hold masters
     for the whole run or none; ``stateful``: the entries with any optimizer state."""
-    masters = [t for t in tensors if t.field in MASTER_FIELDS]
+    masters = [t for t in tensors if t.field in MASTER_STATES]
     if not masters:
         return
     names = sorted({t.field for t in masters})
@@ -95,7 +95,7 @@ def _check_coverage(layout: Layout, has: dict, stateful: set[str], field: str, w
 def check_recorded_masters(found: dict[str, dict[str, str]], layout: Layout, where: str) -> None:
     """A flat checkpoint's record of masters (``found``: field -> buffer -> dtype):
     one field, for flat buffers that exist, float32 or float64, no narrower than them."""
-    fields = [f for f in found if f in MASTER_FIELDS]
+    fields = [f for f in found if f in MASTER_STATES]
     if len(fields) > 1:
         raise CheckpointError(f"{where}: master weights under two names; the metadata was modified")
     weights = {b.name: b.dtype for b in layout.buffers}
@@ -121,8 +121,8 @@ def refuse_param_copies(extras: Iterable[tuple[tuple, Any]], layout: Layout, whe
                 raise CheckpointError(
                     f"{where}: {fqn!r} is a copy of parameter {name!r} outside the optimizer "
                     "state (master weights? an EMA?), which yafsdp does not carry; master "
-                    f"weights are read as the optimizer state field {MASTER_FIELDS[0]!r} or "
-                    f"{MASTER_FIELDS[1]!r}; pass --weights-only to convert the weights alone"
+                    f"weights are read as the optimizer state field {MASTER_STATES[0]!r} or "
+                    f"{MASTER_STATES[1]!r}; pass --weights-only to convert the weights alone"
                 )
 
 

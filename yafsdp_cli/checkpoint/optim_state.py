@@ -40,7 +40,7 @@ from ..sources.state import IntKey
 from ..sources.torch_pickle import RawTensor
 from .format import checksum_of
 from .master_weights import (
-    MASTER_FIELDS,
+    MASTER_STATES,
     check_master_dtype,
     check_masters,
     check_recorded_masters,
@@ -94,7 +94,7 @@ class OptimState:
         out = []
         for field in sorted(self.dtypes):
             for b in layout.buffers:
-                if field in MASTER_FIELDS and b.name not in self.dtypes[field]:
+                if field in MASTER_STATES and b.name not in self.dtypes[field]:
                     continue
                 dtype = self.dtypes[field].get(b.name, b.dtype)
                 out.append(dataclasses.replace(b, name=f"{b.name}{SEP}{field}", dtype=dtype))
@@ -233,7 +233,7 @@ def optimizer_kind(fields: dict[str, set[str]], where: str, group_steps: bool = 
     scalars); refuses another optimizer by name and an incomplete Adam state.
     ``group_steps``: the param groups count the steps, so no parameter needs a ``step``."""
     seen = set().union(*fields.values()) if fields else set()
-    masters = seen & set(MASTER_FIELDS)  # beside any optimizer's state (master_weights.py)
+    masters = seen & set(MASTER_STATES)  # beside any optimizer's state (master_weights.py)
     seen -= masters
     for name in sorted(seen):
         if name in OTHER_OPTIMIZERS:
@@ -319,7 +319,7 @@ def state_dtypes(tensors: Iterable[StateTensor], layout: Layout, where: str) -> 
                 f"{where}: state {t.field!r} of {t.param!r} has shape {list(t.shape)}, but the "
                 f"parameter is {list(e.shape)}; the state does not match the model"
             )
-        if t.field in MASTER_FIELDS:
+        if t.field in MASTER_STATES:
             check_master_dtype(t.field, t.param, t.dtype, e.dtype, where)
         have = out.setdefault(t.field, {}).setdefault(b.name, t.dtype)
         if have != t.dtype:

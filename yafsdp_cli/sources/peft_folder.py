@@ -37,7 +37,7 @@ from .loaded import LoadedModel
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # adapter_config.json fields that hold module names: a list of names or a regex
-_MODULE_FIELDS = ("target_modules", "exclude_modules")
+_MODULE_KEYS = ("target_modules", "exclude_modules")
 _NUMBERS = (("r", rank_problem), ("lora_alpha", alpha_problem), ("lora_dropout", dropout_problem))
 _PATTERNS = (("rank_pattern", rank_problem), ("alpha_pattern", alpha_problem))
 _BIASES = ("none", "all", "lora_only")  # peft's LoraConfig.bias
@@ -126,7 +126,7 @@ def _check_config(config: Path, raw: dict) -> None:
             wrong = problem(value)
             if wrong:
                 raise SourceError(f"{config}: {key}[{excerpt(name)}] {excerpt(value)} {wrong}")
-    for key in _MODULE_FIELDS:
+    for key in _MODULE_KEYS:
         value = raw.get(key)
         if isinstance(value, str):
             try:

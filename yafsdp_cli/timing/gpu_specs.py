@@ -94,7 +94,7 @@ def gpu_spec(name: str) -> GpuSpec:
     return found
 
 
-FIELDS = {
+PROFILE_KEYS = {
     "name": str,
     "memory_bytes": int,
     "bf16_tflops": (int, float),
@@ -136,11 +136,11 @@ def gpu_from_dict(doc, where: str = "GPU profile") -> GpuSpec:
         raise YafsdpError(f"{where}: a GPU profile is a JSON object, got {type(doc).__name__}")
     # a calibrated profile's efficiencies and record are ``gpu_profile``'s to read
     doc = {k: v for k, v in doc.items() if k not in ("efficiency", "calibration")}
-    extra = sorted(set(doc) - set(FIELDS) - set(OPTIONAL))
+    extra = sorted(set(doc) - set(PROFILE_KEYS) - set(OPTIONAL))
     if extra:
-        raise YafsdpError(f"{where}: unknown field {extra[0]!r}; fields: {', '.join(FIELDS)}")
+        raise YafsdpError(f"{where}: unknown field {extra[0]!r}; fields: {', '.join(PROFILE_KEYS)}")
     doc = {**OPTIONAL, **doc}
-    for key, kind in FIELDS.items():
+    for key, kind in PROFILE_KEYS.items():
         _check_field(doc, key, kind, where)
     if not isinstance(doc["source"], str):
         raise YafsdpError(f"{where}: 'source' must be a string")
