@@ -233,3 +233,47 @@ def test_cli_convert_of_safetensors_does_not_import_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "False"
     assert json.loads(proc.stdout)["written"] is True and out.is_file()
+
+
+def _legacy_pickle(path):
+    import torch
+
+    torch.save({"a": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [
+        (lambda p: p.write_bytes(sample("mlp.pt").read_bytes()), "a zip archive"),
+        (_legacy_pickle, "a pickle"),
+        (
+            lambda p: p.write_bytes(sample("mlp.safetensors").read_bytes()),
+            "its metadata has no 'yafsdp.format'",
+        ),
+        (lambda p: p.write_bytes(bytes(range(256)) * 8), "not a safetensors file"),
+        (lambda p: p.mkdir(), "a folder without yafsdp.index.json"),
+        (lambda p: p.write_text('{"model_type": "gpt2"}'), "a JSON file without 'format'"),
+    ],
+    ids=["torch-zip", "torch-pickle", "plain-safetensors", "random-bytes", "folder", "json"],
+)
+@pytest.mark.parametrize("command", ["restore", "reshard"])
+def test_what_convert_did_not_write_is_named_in_one_line(tmp_path, make, what, command):
+    """restore and reshard of a state dict (or anything else convert did not write)
+    say what the input is and what they take, not how its bytes fail to parse."""
+    src = tmp_path / ("in.json" if what.startswith("a JSON") else "weights.bin")
+    make(src)
+    out = tmp_path / "o.safetensors"
+    args = (
+        ["restore", src, "-o", out]
+        if command == "restore"
+        else [command, src, "-n", "2", "-o", out]
+    )
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"{src} is not a yafsdp flat checkpoint ({what}" in lines[0], lines
+    assert "restore and reshard take what `yafsdp convert` writes" in lines[0]
+    assert "to read a state dict, use inspect or convert" in lines[0]
+    assert "header length" not in lines[0]
+    assert not out.exists()

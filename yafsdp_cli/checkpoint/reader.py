@@ -179,10 +179,7 @@ def open_flat(path: str | Path) -> FlatCheckpoint:
     if path.is_dir():
         require_inside(path, path / INDEX_NAME, error=CheckpointError)
         if not (path / INDEX_NAME).is_file():
-            raise CheckpointError(
-                f"{path}: a folder without {INDEX_NAME}; give a flat .safetensors file or "
-                "the folder of a sharded set written by `yafsdp convert --sharded`"
-            )
+            raise not_flat(path, f"a folder without {INDEX_NAME}")
         return _open_set(path / INDEX_NAME)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
@@ -191,7 +188,43 @@ def open_flat(path: str | Path) -> FlatCheckpoint:
     return _open_file(path)
 
 
+def not_flat(path: Path, why: str) -> CheckpointError:
+    """The one error for an input that ``yafsdp convert`` did not write: it says what
+    the input is and where such a file goes instead (a state dict given to restore is
+    the common mix-up)."""
+    return CheckpointError(
+        f"{path} is not a yafsdp flat checkpoint ({why}); restore and reshard take what "
+        "`yafsdp convert` writes: a .safetensors file with yafsdp metadata, or a --sharded "
+        "folder; to read a state dict, use inspect or convert"
+    )
+
+
+# torch.save writes a zip archive, or before torch 1.6 a pickle (protocol 2 and up)
+ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_PROTOCOLS = range(2, 6)
+
+
+def _plainly_not_safetensors(path: Path) -> str | None:
+    """What ``path`` is, when its first bytes show it is no safetensors file at all (a
+    safetensors header is JSON, so byte 8 opens it with ``{``); None where it may be
+    one, so that a truncated or damaged flat checkpoint is named by the header parser."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return None  # read_header names the failure
+    if len(head) < 9 or head[8:9] == b"{":
+        return None
+    if head.startswith(ZIP_MAGIC):
+        return "a zip archive, as torch.save writes"
+    if head[0] == 0x80 and head[1] in PICKLE_PROTOCOLS:
+        return "a pickle, as torch.save writes"
+    return "not a safetensors file"
+
+
 def _open_file(path: Path) -> FlatCheckpoint:
+    if path.is_file() and (what := _plainly_not_safetensors(path)) is not None:
+        raise not_flat(path, what)
     header = read_header(path)
     md = header.metadata
     kind = md.get(KEY_FORMAT)
@@ -201,10 +234,7 @@ def _open_file(path: Path) -> FlatCheckpoint:
             f"give its folder (or its {INDEX_NAME}) instead"
         )
     if kind != KIND_FLAT:
-        raise CheckpointError(
-            f"{path} is not a yafsdp flat checkpoint (its metadata has no {KEY_FORMAT!r} = "
-            f"{KIND_FLAT!r}); make one with `yafsdp convert`"
-        )
+        raise not_flat(path, f"its metadata has no {KEY_FORMAT!r} = {KIND_FLAT!r}")
     _check_version(md.get(KEY_VERSION), path)
     layout = parse_layout(_need(md, KEY_LAYOUT, path), str(path), _need(md, KEY_LAYOUT_SUM, path))
     optim = _optim(md.get(KEY_OPTIM), md.get(KEY_VERSION), str(path), layout)
@@ -336,9 +366,7 @@ def _check_replicas(index_path: Path, buffers: set[str], files) -> None:
 def _read_index(path: Path) -> dict:
     index = read_json(path, error=CheckpointError)
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-        raise CheckpointError(
-            f"{path} is not a yafsdp sharded-checkpoint index (no 'format': {INDEX_FORMAT!r})"
-        )
+        raise not_flat(path, f"a JSON file without 'format': {INDEX_FORMAT!r}")
     _check_version(index.get("version"), path)
     return index
 
