@@ -240,3 +240,31 @@ def test_blocks_on_a_factory_without_a_depth_argument_is_a_clear_error():
     )
     assert result.exit_code == 2
     assert "has no depth to change" in result.output
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--filter", "no.such.parameter"]],
+    ids=["no-architecture", "filters-select-nothing"],
+)
+def test_no_estimate_is_printed_before_an_error(extra):
+    """A source verify cannot run (a state dict without its model, a filter that
+    selects nothing) is its error alone: the estimate line is for a run that goes
+    ahead."""
+    args = ["verify", "sample_models/mlp.pt"]
+    if extra:
+        args += ["--model", "sample_models.models:mlp", *extra]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert "estimated peak" not in result.output
+
+
+def test_the_estimate_is_printed_for_a_run_that_goes_ahead():
+    result = runner.invoke(
+        app,
+        ["verify", "sample_models/mlp.pt", "--model", "sample_models.models:mlp", "--steps", "1"],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("verify: estimated peak"), result.stderr

@@ -21,7 +21,8 @@ def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> Ver
 
     First its peak is estimated (``run_plan.plan_run``): a run that cannot fit raises
     ``MemoryBudgetError`` before anything is allocated, or, without ``--blocks``,
-    runs on the most blocks that fit. ``on_plan(RunPlan)`` is called before the run.
+    runs on the most blocks that fit. ``on_plan(RunPlan)`` is called once both models
+    are built and the run goes ahead, so nothing is estimated aloud before an error.
 
     With ``opts.layout.world_size > 1`` this process must be one rank of a running
     ``torch.distributed`` job (torchrun); ``verify_source`` launches the ranks itself.
@@ -30,10 +31,11 @@ def verify_model(loaded, opts: VerifyOptions | None = None, on_plan=None) -> Ver
     if opts.layout.world_size > 1:
         return verify_this_rank(loaded, opts)
     run_plan = plan_run(loaded, opts)
-    if on_plan is not None:
-        on_plan(run_plan)
     opts = run_plan.opts
-    report = run_single(prepare(loaded, opts), opts, rebuild=lambda: prepare(loaded, opts).original)
+    prepared = prepare(loaded, opts)  # builds the models: a source without one fails here
+    if on_plan is not None:  # so the estimate is printed only for a run that goes ahead
+        on_plan(run_plan)
+    report = run_single(prepared, opts, rebuild=lambda: prepare(loaded, opts).original)
     return finish(report, run_plan, peak_rss())
 
 
