@@ -7,7 +7,9 @@ from __future__ import annotations
 import io
 import json
 import re
+from importlib import resources
 
+import jsonschema
 import pytest
 from helpers import options
 from rich.console import Console
@@ -235,3 +237,88 @@ def test_profile_notes_on_the_method_wait_for_explain(profiled):
         caveat,
         "1 more on how the step was run: --explain",
     ]
+
+
+GPT_PLAN = ["plan", "--model", "sample_models.models:gpt", "--seq-len", "32", "--world-size",
+            "1,16", "--micro-batch", "1,2", "--checkpointing", "none", "--jobs", "1"]  # fmt: skip
+
+
+def plan_cli(args: list[str]) -> tuple[list[str], dict]:
+    """The plan's screen at 80 columns, and its ``--json`` document."""
+    from typer.testing import CliRunner
+
+    from yafsdp_cli.cli import app
+
+    runner = CliRunner()
+    shown = runner.invoke(app, args, env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    doc = runner.invoke(app, [*args, "--json"])
+    assert doc.exit_code == 0, doc.output
+    parsed = json.loads(doc.stdout)
+    schema = resources.files("yafsdp_cli").joinpath("schemas/plan.schema.json").read_text()
+    jsonschema.validate(parsed, json.loads(schema))
+    return shown.stdout.splitlines(), parsed
+
+
+def test_plan_answer_gives_the_gpu_hours_of_the_tokens():
+    """``--tokens`` with a GPU named: the first screen says what the budget costs on
+    the recommended configuration, the figures the document's ``timing`` has."""
+    args = [*GPT_PLAN, "--gpu", "h100-sxm", "--tokens", "1T", "--objective", "gpu-hours"]
+    lines, doc = plan_cli(args)
+    head = opening(lines)
+    assert all(len(line) <= 80 for line in head)
+    t, ws = doc["timing"], doc["best"]["world_size"]
+    gpus = "1 GPU" if ws == 1 else f"{ws} GPUs"
+    said = f"1T tokens: {t['gpu_hours']:,.0f} GPU-hours, {t['wall_hours']:,.0f} h on {gpus}"
+    assert said in head and said in doc["answer"], head
+    assert head.index(said) < next(i for i, x in enumerate(head) if x.startswith("assumed:"))
+
+
+@pytest.fixture
+def llama(tmp_path):
+    """A config-only Hugging Face Llama folder (meta weights: plan runs fake steps)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from hf_models import tiny_config
+
+    cfg = tiny_config("llama")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+@pytest.mark.hf
+def test_plan_answer_names_the_fine_tuning_and_what_is_estimated(llama):
+    """A LoRA, QLoRA or ``--freeze`` plan's ``assumed:`` line says so, and that a
+    quantized base's bytes are estimated; a full fine-tune's names none of them."""
+    args = ["plan", str(llama), "--gpu-memory", "4GiB", "--world-size", "1,2",
+            "--micro-batch", "1", "--seq-len", "32", "--checkpointing", "none",
+            "--jobs", "1"]  # fmt: skip
+    tuned = ["--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--quantize", "nf4"]
+    tuned += ["--freeze", "name:*embed*"]
+    for extra, said in (
+        ([], ()),
+        (["--lora", "r=4,targets=q_proj,v_proj"], ("LoRA r=4 on q_proj,v_proj",)),
+        (["--freeze", "name:*embed*"], ("frozen: name:*embed*",)),
+        (
+            tuned,
+            (
+                "LoRA r=4 on q_proj,v_proj",
+                "nf4 base (estimated: bitsandbytes packing)",
+                "frozen: name:*embed*",
+            ),
+        ),
+    ):
+        lines, doc = plan_cli([*args, *extra])
+        head = opening(lines)
+        assert all(len(line) <= 80 for line in head)
+        assumed = doc["answer"][-1]
+        assert assumed.startswith("assumed: 32 tokens per sequence"), assumed
+        assert doc["tuning"] == list(said)
+        for phrase in said:
+            assert phrase in assumed, (phrase, assumed)
+        if not said:  # a full fine-tune
+            assert not any(w in assumed for w in ("LoRA", "frozen", "estimated")), assumed
+        assert ("estimated" in assumed) == ("--quantize" in extra)
+        flat = " ".join(" ".join(head).split())
+        assert " ".join(assumed.split()) in flat  # the screen wraps it, whole

@@ -98,7 +98,8 @@ def plan_model(
             report, schemes=schemes, fake_runs=runner.runs, fake_steps=runner.steps
         )
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
-    return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes))
+    brief = getattr(loaded, "tuning_brief", ())
+    return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes), tuning=brief)
 
 
 def context_length(module) -> int:

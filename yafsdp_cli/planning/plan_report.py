@@ -153,6 +153,9 @@ class PlanReport:
     options: PlanOptions | None = None
     schemes: tuple = ()  # scheme_peaks.SchemePlan per --scheme; () for the flat scheme alone
     timing: PlanTiming | None = None  # where the plan names a GPU (``cell_time``)
+    # a fine-tuning step's LoRA, quantized base and frozen parameters, in a few words
+    # each (``sources.adapted``); () for a full fine-tune
+    tuning: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,10 +124,18 @@ def _cell(row: PlanRow | None) -> str:
 
 
 def answer(report: PlanReport) -> list[str]:
-    """The plan's answer in at most four lines, before any table: the fewest GPUs
-    that fit, the recommended configuration with its headroom and why, a better one
-    under another allocator setting, and what was assumed."""
+    """The plan's answer in at most five lines, before any table: the fewest GPUs
+    that fit, the recommended configuration with its headroom and why, what the
+    ``--tokens`` cost on it, a better one under another allocator setting, and what
+    was assumed (the fine-tuning's adapter, quantized base and frozen parameters
+    too, the estimated ones said to be)."""
     lines = [_fewest(report), _recommended(report)]
+    t = report.timing
+    if t is not None and t.gpu_hours is not None and report.best is not None:
+        lines.append(
+            f"{_count(t.tokens)} tokens: {_hours(t.gpu_hours)} GPU-hours, {_hours(t.wall_hours)} h "
+            f"on {_gpus(report.best.world_size)}"
+        )
     if report.advice is not None:
         a = report.advice.row
         lines.append(
@@ -139,8 +147,26 @@ def answer(report: PlanReport) -> list[str]:
     lines.append(
         f"assumed: {report.seq_len} tokens per sequence, {report.param_dtype} parameters "
         f"(--param-dtype), {report.optimizer}, allocator settings {alloc}, flat scheme"
+        + "".join(f", {t}" for t in report.tuning)
     )
     return lines
+
+
+def _gpus(n: int) -> str:
+    return "1 GPU" if n == 1 else f"{n} GPUs"
+
+
+def _hours(h: float) -> str:
+    """Whole hours, and two figures below ten (a small model's budget takes minutes)."""
+    return f"{h:,.0f}" if h >= 10 else f"{h:.2g}"
+
+
+def _count(n: int) -> str:
+    """``10**12`` -> ``"1T"``, ``3 * 10**11`` -> ``"300B"``: as ``--tokens`` writes it."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + suffix
+    return f"{n:,}"
 
 
 def _fewest(report: PlanReport) -> str:

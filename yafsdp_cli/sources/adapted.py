@@ -72,6 +72,7 @@ class AdaptedModel(LoadedModel):
     quantize: str | None = None  # engine.packed.KINDS
     quantized: tuple[str, ...] = ()  # the linear layers packed
     tuning_notes: tuple[str, ...] = ()  # what trains, what is estimated (in spec.notes too)
+    tuning_brief: tuple[str, ...] = ()  # the same in a few words, for a report's first lines
 
     def stored_name(self, record) -> str:
         """As the base stores ``record``; a LoRA model's own tensors (the adapter's, and
@@ -171,6 +172,7 @@ def adapted(
         quantized = _quantize(module, quantize)
         spec = _spec(base, module, freeze)
     notes = _tuning_notes(spec, lora, quantize, quantized)
+    brief = _tuning_brief(spec, lora, freeze, quantize)
     spec = dataclasses.replace(spec, notes=(*spec.notes, *notes))
     return AdaptedModel(
         spec=spec,
@@ -186,6 +188,7 @@ def adapted(
         quantize=quantize,
         quantized=quantized,
         tuning_notes=notes,
+        tuning_brief=brief,
     )
 
 
@@ -199,13 +202,8 @@ def _tuning_notes(spec, lora, quantize, quantized) -> tuple[str, ...]:
         "frozen ones have no gradient and no optimizer state"
     ]
     if lora is not None:
-        targets = lora.target_modules
-        if targets is None:  # peft's defaults for the architecture: the layers it adapted
-            adapted = (t.name.partition(".lora_A.")[0] for t in params if ".lora_A." in t.name)
-            targets = {name.rpartition(".")[2] for name in adapted}
-        targets = targets if isinstance(targets, str) else ",".join(sorted(targets))
         notes.append(
-            f"LoRA by peft: r={lora.r}, alpha={lora.lora_alpha} on {targets}; "
+            f"LoRA by peft: r={lora.r}, alpha={lora.lora_alpha} on {_targets(spec, lora)}; "
             "the base keeps its stored dtype, the adapter is float32 as peft makes it"
         )
     if quantize is not None:
@@ -217,6 +215,29 @@ def _tuning_notes(spec, lora, quantize, quantized) -> tuple[str, ...]:
             "kernel workspaces are not counted"
         )
     return tuple(notes)
+
+
+def _tuning_brief(spec, lora, freeze, quantize) -> tuple[str, ...]:
+    """What trains and what is estimated in a few words each (the notes say it in
+    full): a first screen's ``assumed:`` line names these beside the dtypes."""
+    brief = []
+    if lora is not None:
+        brief.append(f"LoRA r={lora.r} on {_targets(spec, lora)}")
+    if quantize is not None:  # bitsandbytes' documented format, not a measured model
+        brief.append(f"{quantize} base (estimated: bitsandbytes packing)")
+    if freeze:
+        brief.append("frozen: " + ", ".join(freeze))
+    return tuple(brief)
+
+
+def _targets(spec, lora) -> str:
+    """The layers ``lora`` adapts, as a comma list."""
+    targets = lora.target_modules
+    if targets is None:  # peft's defaults for the architecture: the layers it adapted
+        params = spec.params
+        adapted = (t.name.partition(".lora_A.")[0] for t in params if ".lora_A." in t.name)
+        targets = {name.rpartition(".")[2] for name in adapted}
+    return targets if isinstance(targets, str) else ",".join(sorted(targets))
 
 
 def _quantize(module, kind: str) -> tuple[str, ...]:
