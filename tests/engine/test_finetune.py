@@ -253,7 +253,10 @@ def test_check_records_freeze_and_lora(llama, tmp_path):
     again = runner.invoke(app, ["check", str(llama), "-b", str(baseline), "--json"])
     assert again.exit_code == 0, again.output  # rebuilt from the baseline: same figures
     bigger = ["--lora", "r=16,targets=q_proj,k_proj,v_proj,o_proj"]
-    whole = runner.invoke(app, ["check", str(llama), "-b", str(baseline), *bigger])
+    # a tiny model's adapter: KiB, under the default byte floor
+    whole = runner.invoke(
+        app, ["check", str(llama), "-b", str(baseline), *bigger, "--min-bytes", "0"]
+    )
     assert whole.exit_code == 1, whole.output  # a bigger adapter needs more: the gate fails
 
 

@@ -54,20 +54,22 @@ def test_update_writes_a_baseline_and_an_unchanged_model_passes(baseline):
 def test_a_bigger_model_is_a_regression_naming_the_figures(baseline):
     model, base = baseline
     write_model(model, layers=3)
-    result = runner.invoke(app, ["check", str(model), "-b", str(base), "--json"])
+    # A few KiB more on a tiny model: past the percent, under the default byte floor.
+    args = ["check", str(model), "-b", str(base), "--min-bytes", "0"]
+    result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
     assert doc["schema"] == "yafsdp.check/2" and doc["passed"] is False
     regressed = {m["name"] for m in doc["metrics"] if m["regressed"]}
     assert {"parameters", "flat total per rank", "DDP baseline per rank"} <= regressed
-    table = runner.invoke(app, ["check", str(model), "-b", str(base)])
+    table = runner.invoke(app, args)
     assert table.exit_code == 1 and "memory regression" in table.output
 
 
 def test_tolerance_decides(baseline):
     model, base = baseline
-    write_model(model, layers=2, width=66)  # about 2% more elements
-    args = ["check", str(model), "-b", str(base)]
+    write_model(model, layers=2, width=66)  # about 2% more elements, 2 KiB
+    args = ["check", str(model), "-b", str(base), "--min-bytes", "0"]
     assert runner.invoke(app, [*args, "--tolerance", "1"]).exit_code == 1
     assert runner.invoke(app, [*args, "--tolerance", "10"]).exit_code == 0
 
@@ -75,7 +77,8 @@ def test_tolerance_decides(baseline):
 def test_options_override_the_recorded_inputs(baseline):
     model, base = baseline
     # Fewer ranks means more bytes per rank: a regression against the 4-rank baseline.
-    result = runner.invoke(app, ["check", str(model), "-b", str(base), "-n", "2", "--json"])
+    args = ["check", str(model), "-b", str(base), "--min-bytes", "0"]
+    result = runner.invoke(app, [*args, "-n", "2", "--json"])
     assert result.exit_code == 1
     assert json.loads(result.stdout)["inputs"]["world_size"] == 2
     assert runner.invoke(app, ["check", str(model), "-b", str(base), "-n", "8"]).exit_code == 0
@@ -124,7 +127,7 @@ def test_an_inspect_document_is_still_a_baseline_and_says_what_it_skipped(tmp_pa
     assert doc["passed"] and len(doc["metrics"]) == 5 and doc["inputs"]["world_size"] == 4
     assert any("no step figures" in s for s in doc["skipped"])
     write_model(model, layers=3)
-    assert runner.invoke(app, ["check", "-b", str(old)]).exit_code == 1
+    assert runner.invoke(app, ["check", "-b", str(old), "--min-bytes", "0"]).exit_code == 1
     # --update rewrites it as a versioned baseline.
     assert runner.invoke(app, ["check", "-b", str(old), "--update"]).exit_code == 0
     assert json.loads(old.read_text())["schema"] == "yafsdp.baseline/2"
@@ -137,3 +140,63 @@ def test_update_replaces_an_unreadable_baseline(tmp_path):
     result = runner.invoke(app, ["check", str(model), "-b", str(base), "--update"])
     assert result.exit_code == 0, result.output
     assert runner.invoke(app, ["check", "-b", str(base)]).exit_code == 0
+
+
+def grown_model(tmp_path):
+    """A baseline at two ranks, then the model three layers bigger: MiB more in each
+    figure but the largest unit, more per rank unsharded (DDP) than sharded."""
+    model, base = tmp_path / "big.safetensors", tmp_path / "big.json"
+    write_model(model, layers=2, width=4096)
+    result = runner.invoke(app, ["check", str(model), "-b", str(base), "--update", "-n", "2"])
+    assert result.exit_code == 0, result.output
+    write_model(model, layers=5, width=4096)
+    return model, base
+
+
+def test_the_verdict_comes_first_then_the_regressions_largest_first(tmp_path):
+    model, base = grown_model(tmp_path)
+    result = runner.invoke(app, ["check", str(model), "-b", str(base)])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("memory regression: ")
+    doc = json.loads(runner.invoke(app, ["check", str(model), "-b", str(base), "--json"]).stdout)
+    grown = [m for m in doc["metrics"] if m["regressed"]]
+    head = result.output.split("memory model, per rank")[0]
+    assert f"{len(grown)} figures" in " ".join(head.split())
+    listed = [s.strip().split(" +")[0] for s in head.splitlines() if s.startswith("  ")]
+    by_bytes = sorted(
+        (m for m in grown if m["unit"] == "bytes"), key=lambda m: m["baseline"] - m["current"]
+    )
+    assert listed == [m["name"] for m in by_bytes] + ["parameters"]
+    assert listed[0] == "DDP baseline per rank"  # the largest growth, third in the table
+    markdown = runner.invoke(app, ["check", str(model), "-b", str(base), "--markdown"]).stdout
+    bullets = [s[4:].split(" +")[0] for s in markdown.splitlines() if s.startswith("- **")]
+    assert bullets == listed
+
+
+def test_a_growth_under_the_byte_floor_passes(baseline):
+    model, base = baseline
+    write_model(model, layers=3)  # +50% of a tiny model: KiB
+    args = ["check", str(model), "-b", str(base)]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["passed"] and doc["min_bytes"] == 1024**2
+    assert "byte floor 1.00 MiB" in runner.invoke(app, args).output
+    assert runner.invoke(app, [*args, "--min-bytes", "4KiB"]).exit_code == 1
+    assert (
+        json.loads(runner.invoke(app, [*args, "--min-bytes", "0", "--json"]).stdout)["min_bytes"]
+        == 0
+    )
+
+
+def test_a_big_growth_fails_past_the_default_byte_floor(tmp_path):
+    model, base = grown_model(tmp_path)
+    assert runner.invoke(app, ["check", str(model), "-b", str(base)]).exit_code == 1
+    assert runner.invoke(app, ["check", "-b", str(base), "--min-bytes", "1GiB"]).exit_code == 0
+
+
+@pytest.mark.parametrize("size", ["12", "-1MiB", "lots"])
+def test_a_bad_min_bytes_exits_2(baseline, size):
+    _, base = baseline
+    result = runner.invoke(app, ["check", "-b", str(base), "--min-bytes", size])
+    assert result.exit_code == 2 and "--min-bytes" in result.output, result.output

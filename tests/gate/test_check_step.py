@@ -114,3 +114,23 @@ def test_bad_step_options_exit_2(models, tmp_path):
     result = check("-b", str(base), "--update", "--model", f"{models}:sdpa", "--checkpointing", "x")
     assert result.exit_code == 2 and "--checkpointing 'x'" in result.output
     assert not base.exists()
+
+
+def test_torch_module_tracking_warning_does_not_reach_the_user(models, tmp_path):
+    """ModTracker warns about its own hierarchy on every transformers step; that is not
+    about the user's model, so it is silenced, and other warnings are not."""
+    import warnings
+
+    base = tmp_path / "mem.json"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        update(base, "--model", f"{models}:sdpa", *STEP)
+        result = check("-b", str(base))
+        warnings.warn("the user's own", UserWarning, stacklevel=1)
+    assert result.exit_code == 0, result.output
+    messages = [str(w.message) for w in seen]
+    assert not any("module hierarchy" in m for m in messages), messages
+    assert "the user's own" in messages
+    assert "module hierarchy" not in result.output
+    # The tracker's process-wide formatwarning is put back.
+    assert warnings.formatwarning.__module__ == "warnings"

@@ -47,3 +47,36 @@ def test_module_changes_keep_vanished_and_new_modules():
         ("new", 0, 5),
         ("old", 3, 0),
     ]
+
+
+def test_a_figure_regresses_past_both_its_percent_and_its_byte_floor():
+    from yafsdp_cli.gate.regressions import MIN_BYTES, Threshold, metric
+
+    tiny = metric("buffers at peak", "bytes", 256, 288, Threshold(0.1), "step")  # +32 B
+    assert tiny.change_percent == 12.5 and not tiny.regressed
+    assert metric("buffers at peak", "bytes", 256, 288, Threshold(0.1, 0), "step").regressed
+    big = metric("step peak", "bytes", 100 * MIN_BYTES, 102 * MIN_BYTES, Threshold(1), "step")
+    assert big.regressed  # 2 MiB, 2%
+    assert not metric(
+        "step peak", "bytes", 100 * MIN_BYTES, 102 * MIN_BYTES, Threshold(5), "s"
+    ).regressed
+    # From nothing: any growth is past the percent, so the floor decides.
+    assert not metric("gradients", "bytes", 0, 4096, Threshold(0.1), "step").regressed
+    assert metric("gradients", "bytes", 0, 2 * MIN_BYTES, Threshold(0.1), "step").regressed
+
+
+def test_regressions_are_listed_largest_growth_first():
+    from yafsdp_cli.gate.regressions import CheckReport, MetricCheck
+
+    def grown(name, unit, old, new):
+        return MetricCheck(name, unit, old, new, 100.0 * (new - old) / old, True)
+
+    metrics = (
+        grown("parameters", "elements", 10, 20),
+        grown("a", "bytes", 10, 20),
+        grown("b", "bytes", 10, 50),
+        MetricCheck("c", "bytes", 10, 10, 0.0, False),
+        grown("d", "bytes", 100, 120),
+    )
+    report = CheckReport("b.json", "m", 1.0, 0.1, metrics, {})
+    assert [m.name for m in report.regressions] == ["b", "d", "a", "parameters"]

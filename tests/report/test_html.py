@@ -243,8 +243,8 @@ def test_check_page_is_written_when_the_gate_fails(tmp_path):
     argv = ["check", str(model), "-b", str(base), "-n", "4", "--html", str(page)]
     assert runner.invoke(app, [*argv, "--update"]).exit_code == 0
     assert "new baseline written" in page.read_text()
-    write_model(model, layers=3)
-    result = runner.invoke(app, [*argv, "--json"])
+    write_model(model, layers=3)  # KiB more: past the percent, under the default byte floor
+    result = runner.invoke(app, [*argv, "--min-bytes", "0", "--json"])
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
     dom = Dom(page.read_text())

@@ -73,6 +73,16 @@ def check_command(
             show_default=False,
         ),
     ] = None,
+    min_bytes: Annotated[
+        str | None,
+        typer.Option(
+            "--min-bytes",
+            metavar="SIZE",
+            help="A figure in bytes regresses only when it also grew by more than this, "
+            "e.g. 1MiB (the default) or 0.",
+            show_default=False,
+        ),
+    ] = None,
     no_step: Annotated[
         bool, typer.Option("--no-step", help="Gate the memory model only; no fake step.")
     ] = False,
@@ -111,6 +121,7 @@ def check_command(
         check_html_path(html, source, baseline)
         from ..gate.baseline import plan_baseline
         from ..gate.run_check import CheckRequest, run_check
+        from ..options.sizes import parse_size
         from ..report import gate_view as view
 
         plan_doc = plan_baseline(baseline)
@@ -125,6 +136,7 @@ def check_command(
                 update=update,
                 tolerance=tolerance,
                 step_tolerance=step_tolerance,
+                min_bytes=None if min_bytes is None else parse_size(min_bytes, "--min-bytes"),
                 # the options a baseline records: given, they replace the recorded ones
                 layout_given=layout_given(
                     filters=filters,

@@ -15,8 +15,12 @@ Figures compared, all "more is worse":
   Fake figures are exact and deterministic, so their default tolerance,
   ``STEP_TOLERANCE``, is tight.
 
-A figure that grew by more than its tolerance is a regression; a figure that was 0
-and is not is one at any tolerance. Activations that grew are explained by the
+A figure regresses when it grew past its tolerance in percent and past the byte floor
+as well (``MIN_BYTES``, ``--min-bytes``): a few bytes of a buffer or of padding are a
+large share of a small figure and nothing on a GPU, and a build must not fail on them.
+The parameter count's floor is as many parameters (each takes a byte or more in every
+dtype but 4-bit). A figure that was 0 and is not is one at any tolerance, once its
+growth passes the floor. Activations that grew are explained by the
 modules whose saved-for-backward bytes grew (``explain``). Per-module figures are
 shown, not gated on their own: moving work from one module to another changes
 them without changing what the step needs.
@@ -37,6 +41,9 @@ from .baseline import MemoryFigures, ModuleSaved, StepFigures, StepInputs
 SCHEMA = "yafsdp.check/2"
 MEMORY_TOLERANCE = 1.0  # percent
 STEP_TOLERANCE = 0.1  # percent
+# bytes: far below what changes whether a real model fits (its figures are GiB), far
+# above a buffer's or padding's few bytes and the caching allocator's 512-byte rounding
+MIN_BYTES = 1024**2
 TOP_MODULES = 8  # module rows in a report
 SHARE = 0.75  # a module "accounts for" growth when it holds this share of its parent's
 
@@ -99,6 +106,7 @@ class CheckReport:
     step_batch: str = ""
     modules: tuple[ModuleChange, ...] = ()  # the top modules by saved bytes
     skipped: tuple[str, ...] = ()  # what was not checked, and why
+    min_bytes: int = MIN_BYTES  # the byte floor of every figure
 
     @property
     def passed(self) -> bool:
@@ -106,7 +114,14 @@ class CheckReport:
 
     @property
     def regressions(self) -> tuple[MetricCheck, ...]:
-        return tuple(m for m in self.metrics if m.regressed)
+        """The regressed figures, the largest growth in bytes first (what a reader
+        acts on first), then the parameter count."""
+        grown = [m for m in self.metrics if m.regressed]
+        return tuple(sorted(grown, key=_growth_order))
+
+
+def _growth_order(m: MetricCheck) -> tuple[int, int]:
+    return (0, m.baseline - m.current) if m.unit == "bytes" else (1, 0)
 
 
 def check_tolerance(percent: float) -> float:
@@ -115,41 +130,72 @@ def check_tolerance(percent: float) -> float:
     return percent
 
 
-def metric(name: str, unit: str, old: int, new: int, tolerance: float, group: str):
-    """One figure compared: growth past ``tolerance`` percent is a regression."""
+def check_min_bytes(size: int) -> int:
+    if size < 0:
+        raise YafsdpError(f"--min-bytes must not be negative, got {size}")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class Threshold:
+    """How much a figure may grow: ``percent`` of it and, in bytes, ``min_bytes``."""
+
+    percent: float
+    min_bytes: int = MIN_BYTES
+
+
+def metric(name: str, unit: str, old: int, new: int, limit: Threshold, group: str):
+    """One figure compared: growth past ``limit.percent`` and, for bytes, past
+    ``limit.min_bytes`` is a regression."""
+    past_floor = new - old > limit.min_bytes  # for the parameter count, in parameters
     if old:
         change = 100.0 * (new - old) / old
-        return MetricCheck(name, unit, old, new, change, change > tolerance, group)
-    return MetricCheck(name, unit, old, new, 0.0 if new == 0 else None, new > 0, group)
+        grew = change > limit.percent and past_floor
+        return MetricCheck(name, unit, old, new, change, grew, group)
+    return MetricCheck(name, unit, old, new, 0.0 if new == 0 else None, past_floor, group)
 
 
-def compare_memory(old: MemoryFigures, new: MemoryFigures, tolerance: float) -> list[MetricCheck]:
-    check_tolerance(tolerance)
+def _threshold(tolerance: float | Threshold) -> Threshold:
+    """A bare percent compares by percent alone (no byte floor)."""
+    limit = tolerance if isinstance(tolerance, Threshold) else Threshold(tolerance, 0)
+    check_tolerance(limit.percent)
+    check_min_bytes(limit.min_bytes)
+    return limit
+
+
+def compare_memory(
+    old: MemoryFigures, new: MemoryFigures, tolerance: float | Threshold
+) -> list[MetricCheck]:
+    """The memory model's figures; ``tolerance`` a percent (no byte floor) or a
+    ``Threshold``."""
+    limit = _threshold(tolerance)
     return [
-        metric(name, unit, getattr(old, key), getattr(new, key), tolerance, "memory")
+        metric(name, unit, getattr(old, key), getattr(new, key), limit, "memory")
         for key, name, unit in MEMORY_METRICS
     ]
 
 
-def compare_step(old: StepFigures, new: StepFigures, tolerance: float) -> list[MetricCheck]:
+def compare_step(
+    old: StepFigures, new: StepFigures, tolerance: float | Threshold
+) -> list[MetricCheck]:
     """The step's peak, phase peaks and categories at the peak; grown activations name
     the modules that account for them."""
-    check_tolerance(tolerance)
-    out = [metric("step peak", "bytes", old.peak_total, new.peak_total, tolerance, "step")]
+    limit = _threshold(tolerance)
+    out = [metric("step peak", "bytes", old.peak_total, new.peak_total, limit, "step")]
     why = explain(old.modules, new.modules)
     for category, name in STEP_CATEGORY_NAMES.items():
-        out.append(metric(name, "bytes", old.peak[category], new.peak[category], tolerance, "step"))
+        out.append(metric(name, "bytes", old.peak[category], new.peak[category], limit, "step"))
         if category == "activations":
             a, b = saved_total(old.modules), saved_total(new.modules)
-            out.append(metric(SAVED_NAME, "bytes", a, b, tolerance, "step"))
+            out.append(metric(SAVED_NAME, "bytes", a, b, limit, "step"))
             out[-2:] = [_with_explanation(m, why) if m.regressed else m for m in out[-2:]]
     for phase, name in PHASE_NAMES.items():
         if phase in old.phase_peaks or phase in new.phase_peaks:
             a, b = old.phase_peaks.get(phase, 0), new.phase_peaks.get(phase, 0)
-            out.append(metric(name, "bytes", a, b, tolerance, "step"))
+            out.append(metric(name, "bytes", a, b, limit, "step"))
     if old.reserved_peak is not None and new.reserved_peak is not None:
         a, b = old.reserved_peak, new.reserved_peak
-        out.append(metric(RESERVED_NAME, "bytes", a, b, tolerance, "step"))
+        out.append(metric(RESERVED_NAME, "bytes", a, b, limit, "step"))
     return out
 
 

@@ -38,8 +38,10 @@ from .baseline import (
 )
 from .regressions import (
     MEMORY_TOLERANCE,
+    MIN_BYTES,
     STEP_TOLERANCE,
     CheckReport,
+    Threshold,
     compare_memory,
     compare_step,
     module_changes,
@@ -54,6 +56,7 @@ class CheckRequest:
     update: bool = False
     tolerance: float | None = None  # None: MEMORY_TOLERANCE, and STEP_TOLERANCE for the step
     step_tolerance: float | None = None  # None: --tolerance if given, else STEP_TOLERANCE
+    min_bytes: int | None = None  # None: MIN_BYTES, for the memory model's and the step's
     # the fields of each piece given (the rest: as the baseline recorded them); of the
     # step, the memory model's and the fake step's batch, seq_len and checkpointing
     layout_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -174,10 +177,11 @@ def _step(req, old, loaded, report, inputs) -> tuple[StepFigures | None, tuple[s
 
 def compare(req: CheckRequest, old: Baseline, current: Baseline, inputs) -> CheckReport:
     tol, step_tol = req.tolerances
-    metrics = compare_memory(old.memory, current.memory, tol)
+    floor = MIN_BYTES if req.min_bytes is None else req.min_bytes
+    metrics = compare_memory(old.memory, current.memory, Threshold(tol, floor))
     modules: tuple = ()
     if old.step is not None and current.step is not None:
-        metrics += compare_step(old.step, current.step, step_tol)
+        metrics += compare_step(old.step, current.step, Threshold(step_tol, floor))
         modules = module_changes(old.step.modules, current.step.modules)
         skipped: tuple[str, ...] = ()
     elif old.step is None:
@@ -190,6 +194,7 @@ def compare(req: CheckRequest, old: Baseline, current: Baseline, inputs) -> Chec
         source=current.source.path or current.source.model or "",
         tolerance_percent=tol,
         step_tolerance_percent=step_tol,
+        min_bytes=floor,
         metrics=tuple(metrics),
         inputs=dict(inputs),
         step_inputs=compared.inputs if compared else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 
 from torch import nn
 
@@ -72,9 +73,28 @@ def tracking_modules(tracker, names: dict[int, str]):
     mt.register_user_hooks(
         hook(False, True), hook(False, False), hook(True, True), hook(True, False)
     )
-    with removing_grad_hooks(), mt:
+    with removing_grad_hooks(), quiet_tracker(), mt:
         yield
     mt.clear_user_hooks()
+
+
+# ModTracker's warning when a module's forward starts while the module is still on its
+# stack of parents, which transformers models do on every step; the figures here come
+# from ``names``, not from that stack, so it says nothing about the user's model
+TRACKER_WARNING = r"The module hierarchy tracking maybe be messed up"
+
+
+@contextlib.contextmanager
+def quiet_tracker():
+    """Silence ModTracker's hierarchy warning, and only it, while the step runs; and
+    put back the ``warnings.formatwarning`` it replaces process-wide before warning."""
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRACKER_WARNING, category=UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def _tolerances(report: CheckReport) -> str:
     text = f"memory model {report.tolerance_percent:g}%"
     if report.step_inputs is not None:
         text += f", fake step {report.step_tolerance_percent:g}%"
-    return text
+    return f"{text}; byte floor {human_bytes(report.min_bytes)}"
 
 
 def regression_line(m: MetricCheck) -> str:
@@ -71,12 +71,20 @@ def regression_line(m: MetricCheck) -> str:
     return f"{line}: {', '.join(m.explained_by)}" if m.explained_by else line
 
 
-def verdict(report: CheckReport) -> str:
+def headline(report: CheckReport) -> str:
+    """The verdict in one line, without the regressions it counts."""
     if report.passed:
         return f"ok: no figure grew past its tolerance ({_tolerances(report)})"
-    return f"memory regression (tolerance: {_tolerances(report)}): " + "; ".join(
-        regression_line(m) for m in report.regressions
-    )
+    n = len(report.regressions)
+    figures = "figure" if n == 1 else "figures"
+    return f"memory regression: {n} {figures} grew past tolerance ({_tolerances(report)})"
+
+
+def verdict(report: CheckReport) -> str:
+    """The headline and each regression, the largest first, in one line."""
+    if report.passed:
+        return headline(report)
+    return f"{headline(report)}: " + "; ".join(regression_line(m) for m in report.regressions)
 
 
 def _titles(report: CheckReport) -> tuple[str, str]:
@@ -93,19 +101,21 @@ def _titles(report: CheckReport) -> tuple[str, str]:
 
 
 def to_rich(report: CheckReport) -> list:
+    """The verdict first (a CI log is read from where the gate's output begins), each
+    regression under it, the largest first; then the figures."""
     memory, step = _titles(report)
-    out: list = [rich_table(memory, HEADERS, _rows(report, "memory"), right=(1, 2, 3))]
+    if report.passed:
+        out: list = [Text(headline(report), style="green")]
+    else:
+        out = [Text(headline(report), style="bold red")]
+        out += [Text(f"  {regression_line(m)}", style="red") for m in report.regressions]
+    out.append(rich_table(memory, HEADERS, _rows(report, "memory"), right=(1, 2, 3)))
     if step:
         out.append(rich_table(step, HEADERS, _rows(report, "step"), right=(1, 2, 3)))
     if report.modules:
         title = "saved for backward, by module (the largest)"
         out.append(rich_table(title, MODULE_HEADERS, _module_rows(report.modules), (1, 2, 3, 4)))
     out += [Text(f"skipped: {s}", style="yellow") for s in report.skipped]
-    if report.passed:
-        out.append(Text(verdict(report), style="green"))
-    else:
-        out.append(Text(f"memory regression (tolerance: {_tolerances(report)}):", "bold red"))
-        out += [Text(f"  {regression_line(m)}", style="red") for m in report.regressions]
     return out
 
 
@@ -118,7 +128,7 @@ def to_markdown(report: CheckReport) -> str:
         f"`{report.source}` against `{report.baseline_path}`; tolerance: {_tolerances(report)}.",
         "",
     ]
-    lines += [verdict(report)] if report.passed else []
+    lines += [headline(report)]
     lines += [f"- **{regression_line(m)}**" for m in report.regressions]
     lines += [f"- skipped: {s}" for s in report.skipped]
     memory, step = _titles(report)
@@ -140,6 +150,7 @@ def to_json(report: CheckReport) -> str:
             "passed": report.passed,
             "tolerance_percent": report.tolerance_percent,
             "step_tolerance_percent": report.step_tolerance_percent,
+            "min_bytes": report.min_bytes,
             "metrics": report.metrics,
             "modules": report.modules,
             "skipped": report.skipped,
