@@ -248,9 +248,16 @@ def plan_cli(args: list[str]) -> tuple[list[str], dict]:
     from typer.testing import CliRunner
 
     from yafsdp_cli.cli import app
+    from yafsdp_cli.cli.command_kit import stdout
 
     runner = CliRunner()
-    shown = runner.invoke(app, args, env={"COLUMNS": "80"})
+    # the console reads COLUMNS when it is made: one made by an earlier test in this
+    # process would keep that test's width
+    stdout._console = None
+    try:
+        shown = runner.invoke(app, args, env={"COLUMNS": "80"})
+    finally:
+        stdout._console = None
     assert shown.exit_code == 0, shown.output
     doc = runner.invoke(app, [*args, "--json"])
     assert doc.exit_code == 0, doc.output

@@ -21,7 +21,7 @@ Each cell then gets ``timing.estimate_step`` with the layout of its own world si
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -217,22 +217,25 @@ def timed_rows(timer: CellTimer, rows: Sequence[PlanRow]) -> list[PlanRow]:
     return out
 
 
-def best_timed(rows: Sequence[PlanRow], objective: str | None, tokens: int | None):
-    """The best of the timed rows that fit under ``objective`` (default
-    ``timing.DEFAULT_OBJECTIVE``), with its GPU-hours and wall hours for ``tokens``
-    where given: ``(row, gpu_hours, wall_hours)``, or None if none fits."""
+def best_timed(
+    rows: Sequence[PlanRow],
+    objective: str | None,
+    tokens: int | None,
+    eligible: Callable[[PlanRow], bool] | None = None,
+):
+    """The best of the timed rows that are ``eligible`` (default: the rows that fit)
+    under ``objective`` (default ``timing.DEFAULT_OBJECTIVE``), with its GPU-hours and
+    wall hours for ``tokens`` where given: ``(row, gpu_hours, wall_hours)``, or None
+    if no row is eligible."""
     if any(r.time is None for r in rows):
         raise YafsdpError("choosing by an objective needs every row timed: name the GPU")
-    cells = [TimedCell(r.world_size, r.micro_batch, r.checkpointing, r.fits, r.time) for r in rows]
+    ok = eligible or (lambda r: r.fits)
+    cells = [TimedCell(r.world_size, r.micro_batch, r.checkpointing, ok(r), r.time) for r in rows]
     choice = best_cell(cells, objective or DEFAULT_OBJECTIVE, tokens)
     if choice is None:
         return None
     row = rows[cells.index(choice.cell)]
     return row, choice.gpu_hours, choice.wall_hours
-
-
-def _unfit(row: PlanRow) -> PlanRow:
-    return dataclasses.replace(row, fits=False)
 
 
 def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOptions):
@@ -241,11 +244,8 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
     objective = opts.objective or DEFAULT_OBJECTIVE
     # the best row keeps the margin free, as the untimed plan's does
     candidates = {id(r) for r in keeping_margin(rows)}
-    kept = [r if id(r) in candidates else dataclasses.replace(r, fits=False) for r in rows]
-    chosen = best_timed(kept, objective, opts.tokens)
+    chosen = best_timed(rows, objective, opts.tokens, eligible=lambda r: id(r) in candidates)
     best, gpu_h, wall_h = chosen if chosen else (None, None, None)
-    if best is not None:
-        best = rows[next(i for i, r in enumerate(kept) if r is best)]
     s = timer.setup
     e = s.efficiency
     timing = PlanTiming(

@@ -265,9 +265,8 @@ def _by_objective(opts: PlanOptions):
     the row ``with_timing`` will choose, so it is the one replayed."""
 
     def choose(rows):
-        forced = [dataclasses.replace(r, fits=True) for r in rows]
-        got = best_timed(forced, opts.objective, opts.tokens)
-        return None if got is None else rows[next(i for i, r in enumerate(forced) if r is got[0])]
+        got = best_timed(rows, opts.objective, opts.tokens, eligible=lambda r: True)
+        return None if got is None else got[0]
 
     return choose
 
