@@ -14,6 +14,7 @@ import contextlib
 import re
 import warnings
 
+import torch
 from torch import nn
 
 from .profile_report import ModuleShare
@@ -124,3 +125,50 @@ def removing_grad_hooks():
         mod_tracker.register_multi_grad_hook = original
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def tracking_layers(tracker, layers: dict):
+    """Tell ``tracker`` when each layer of a stack (``{index: (name, module)}``) runs:
+    its forward by module hooks; its backward from when its output's gradient is
+    ready to when its input's is, by hooks on those two tensors. Unlike
+    ``ModTracker`` these hold no tensor and no graph node, so the step keeps what a
+    step without them keeps (a reentrant checkpoint's outputs outlive the step
+    under ``ModTracker``)."""
+    handles = []
+
+    def first_grad_tensor(values):
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                return v
+        return None
+
+    def pre(name):
+        def fn(_mod, args, kwargs):
+            tracker.enter_module(name, False)
+            if tracker.phase == "forward":
+                t = first_grad_tensor((*args, *kwargs.values()))
+                if t is not None:
+                    t.register_hook(lambda _g: tracker.exit_module(name, True))
+
+        return fn
+
+    def post(name):
+        def fn(_mod, _args, _kwargs, output):
+            tracker.exit_module(name, False)
+            if tracker.phase == "forward":
+                outs = output if isinstance(output, (tuple, list)) else (output,)
+                t = first_grad_tensor(outs)
+                if t is not None:
+                    t.register_hook(lambda _g: tracker.enter_module(name, True))
+
+        return fn
+
+    for name, layer in layers.values():
+        handles.append(layer.register_forward_pre_hook(pre(name), with_kwargs=True, prepend=True))
+        handles.append(layer.register_forward_hook(post(name), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

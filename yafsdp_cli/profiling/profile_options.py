@@ -17,6 +17,9 @@ class ProfileOptions:
     per_module: bool = False
     depth: int = 3  # per-module rows: module names with at most this many parts
     modules: int = 0  # rows of the breakdown of the peak by module (0: none)
+    # --fake: trace one period of the layer stack and repeat it (``periodic``), checked
+    # against a trace one period deeper; False: trace every layer (--trace whole)
+    periodic: bool = True
 
     def __post_init__(self) -> None:
         check_at_least("depth", self.depth)

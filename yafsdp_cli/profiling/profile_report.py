@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..memory.outside_allocator import OutsideAllocator
+from .periodic import PeriodicTrace
 from .timeline import Breakdown, ModuleMemory, PhaseSeries
 
 SCHEMA = "yafsdp.profile/1"
@@ -83,6 +84,7 @@ class ProfileReport:
     notes: tuple[str, ...] = ()
     outside: OutsideAllocator | None = None  # GPU memory beside the allocator (target cuda)
     training_dtype: str = ""  # which dtype the parameters are trained in, and why
+    trace: PeriodicTrace | None = None  # how the steps were had: one period repeated, or whole
 
     @property
     def saving_bytes(self) -> int:

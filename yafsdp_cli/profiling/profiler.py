@@ -34,12 +34,15 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
+from ..inspection.build import retype_params
 from ..options.training_dtype import training_dtype
 from ..sources.adapted import adapt, keeps_stored_base
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
-from .modules import module_names, peak_shares, tracking_modules
+from .layer_stack import cut, find_stack
+from .modules import module_names, peak_shares, tracking_layers, tracking_modules
+from .periodic import PeriodicTrace, matches, repeat
 from .positions import index_errors
 from .precision import Masters, cast_params
 from .profile_options import ProfileOptions
@@ -96,27 +99,25 @@ def profile_converted(
     """The converted model's step alone (what ``plan`` measures), no original step;
     ``traces`` as in ``profile_model``; ``steps``, if given, gets its
     ``shard_sizes.RecordedStep`` under "converted" (its events, rewritable for another
-    world size where it ran sharded)."""
+    world size where it ran sharded) and how it was had (``periodic.PeriodicTrace``)
+    under "trace"."""
     _check_target(opts)
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
-        with entered(fake_mode):
-            module, layout, _ = _prepared(loaded, opts, fake_mode)
-        batch = _batch(module, opts)
-        _, modes = _step_modes(opts, fake_mode)
-        with entered(*modes), index_errors(module, opts):
-            params, sharded = _convert(module, layout, opts)
-            return _profile_step(
-                "converted", module, params, batch, opts, sharded, traces, steps=steps
-            )
+        got = _steps(loaded, opts, fake_mode, ("converted",), lambda *_: None)
+    if steps is not None:
+        steps["converted"] = got.steps["converted"]
+        steps["trace"] = got.how
+    return _step_profile("converted", got, loaded, opts, traces)
 
 
-def _prepared(loaded, opts: ProfileOptions, fake_mode):
+def _prepared(loaded, opts: ProfileOptions, fake_mode, depth: int | None = None):
     """The module in its training dtype with its layout, units checkpointed if asked
     (on this one model: it is converted in place, never copied), and how it was
-    checkpointed, in words."""
-    module = build_module(loaded, opts, fake_mode)
+    checkpointed, in words. ``depth``: the first that many layers of its stack only
+    (a fake step traced for one period, ``periodic``)."""
+    module = build_module(loaded, opts, fake_mode, depth)
     cast_params(module, opts.step.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
     layout = plan(spec_from_module(module), opts.layout)
@@ -142,25 +143,151 @@ def _convert(module, layout, opts: ProfileOptions):
     return sharded.parameters(), sharded
 
 
-def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
-    holding = gpu_holding(opts)
-    progress(STAGES[0], 0, len(STAGES))
+@dataclasses.dataclass
+class _Traced:
+    """One variant's tracked step: its events, and what only the run knows."""
+
+    step: RecordedStep
+    wall: float
+    cuda: CudaMemory | None
+
+
+@dataclasses.dataclass
+class _Run:
+    """The steps of one build of the model (whole, or cut to fewer layers)."""
+
+    traced: dict[str, _Traced]
+    layout: object
+    ckpt_note: str
+    batch: Batch
+    kernels: dict[str, int]
+    module: nn.Module
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The steps a report is made of: each variant's events at the model's depth, how
+    they were had, and the run whose model and layout the report describes."""
+
+    steps: dict[str, RecordedStep]
+    how: PeriodicTrace
+    run: _Run
+    wall: dict[str, float]
+    kernels: dict[str, int]
+    layout: object
+
+
+def _run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None) -> _Run:
+    """Build the model (``depth`` layers of ``stack`` where given) and track the step
+    of each of ``variants`` (original, then converted in place)."""
+    holding_progress = len(STAGES)
+    progress(STAGES[0], 0, holding_progress)
     with entered(fake_mode):
-        module, layout, ckpt_note = _prepared(loaded, opts, fake_mode)
+        module, layout, ckpt_note = _prepared(loaded, opts, fake_mode, depth)
     batch = _batch(module, opts)
     attention, modes = _step_modes(opts, fake_mode)
+    layers = _layers(module, stack) if stack is not None else None
+    traced = {}
     with entered(*modes), index_errors(module, opts):
-        progress(STAGES[1], 1, len(STAGES))
-        params = list(module.parameters())
-        original = _profile_step("original", module, params, batch, opts, None, traces, holding)
-        progress(STAGES[2], 2, len(STAGES))
+        if "original" in variants:
+            progress(STAGES[1], 1, holding_progress)
+            params = list(module.parameters())
+            traced["original"] = _trace_step(module, params, batch, opts, None, layers)
+        progress(STAGES[2], 2, holding_progress)
         params, sharded = _convert(module, layout, opts)
-        progress(STAGES[3], 3, len(STAGES))
-        converted = _profile_step(
-            "converted", module, params, batch, opts, sharded, traces, holding
-        )
-    progress("done", len(STAGES), len(STAGES))
+        progress(STAGES[3], 3, holding_progress)
+        traced["converted"] = _trace_step(module, params, batch, opts, sharded, layers)
     kernels = dict(attention.used) if attention else {}
+    return _Run(traced, layout, ckpt_note, batch, kernels, module)
+
+
+def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Steps:
+    """The steps of ``variants`` at the model's depth: under ``--fake``, a short model
+    traced, checked against one a period deeper and repeated (``periodic``), where it
+    has a stack of layers deep enough to gain; else, or where the check fails, the
+    whole model traced."""
+    stack = find_stack(loaded.module) if opts.fake and loaded.module is not None else None
+    why = _whole_why(stack, opts)
+    if why is None:
+        try:
+            short = _run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
+            check = _run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
+        except YafsdpError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse; trace whole
+            why = f"the model cut to {stack.traced} layers did not run ({type(exc).__name__})"
+        else:
+            done = _repeated(short, check, stack, variants, loaded, opts)
+            if isinstance(done, _Steps):
+                return done
+            why = done
+    run = _run(loaded, opts, fake_mode, variants, progress)
+    steps = {v: t.step for v, t in run.traced.items()}
+    depth = (stack.depth,) if stack is not None else ()
+    wall = {v: t.wall for v, t in run.traced.items()}
+    return _Steps(steps, PeriodicTrace(False, why, depth), run, wall, run.kernels, run.layout)
+
+
+def _whole_why(stack, opts: ProfileOptions) -> str | None:
+    """Why the step is traced whole, or None where one period of it will do."""
+    if not opts.fake:
+        return "a real step: every layer runs"
+    if not opts.periodic:
+        return "--trace whole"
+    if stack is None:
+        return "the model has no stack of repeated layers"
+    if not stack.worth:
+        return (
+            f"{stack.describe()}: tracing {stack.traced} and {stack.checked} layers would "
+            "cost more than the whole"
+        )
+    return None
+
+
+def _repeated(short: _Run, check: _Run, stack, variants, loaded, opts) -> _Steps | str:
+    """The steps at the model's depth from ``short`` where ``check`` confirms them;
+    else why not."""
+    steps, wall = {}, {}
+    for v in variants:
+        a, b = short.traced[v].step, check.traced[v].step
+        why = matches(a, b, stack)
+        if why is not None:
+            return (
+                f"{v} step of {stack.traced} layers repeated to {stack.checked} is not the "
+                f"traced step of {stack.checked}: {why}"
+            )
+        ops = b.events.ops - a.events.ops
+        steps[v] = repeat(a, stack, stack.depth, ops_per_period=ops)
+        wall[v] = short.traced[v].wall + check.traced[v].wall
+    periods = (stack.depth - stack.traced) // stack.period
+    kernels = {k: n + periods * (check.kernels.get(k, 0) - n) for k, n in short.kernels.items()}
+    how = PeriodicTrace(
+        True,
+        f"{stack.describe()}: traced {stack.traced} and {stack.checked} layers; the "
+        f"{stack.depth}-layer step is the {stack.traced}-layer one with a period repeated, "
+        f"checked event for event against the {stack.checked}-layer trace",
+        (stack.traced, stack.checked),
+    )
+    layout = plan(
+        retype_params(loaded.spec, opts.step.param_dtype, keeps_stored_base(loaded)),
+        opts.layout,
+    )
+    return _Steps(steps, how, short, wall, kernels, layout)
+
+
+def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
+    """Index -> (name, layer) of the stack's layers in ``module``."""
+    layers = module.get_submodule(stack.path)
+    return {i: (f"{stack.path}.{i}", layer) for i, layer in enumerate(layers)}
+
+
+def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
+    holding = gpu_holding(opts)
+    got = _steps(loaded, opts, fake_mode, ("original", "converted"), progress)
+    progress("done", len(STAGES), len(STAGES))
+    original = _step_profile("original", got, loaded, opts, traces, holding)
+    converted = _step_profile("converted", got, loaded, opts, traces, holding)
+    layout = got.layout
     return ProfileReport(
         source=loaded.spec.source,
         fake=opts.fake,
@@ -170,16 +297,20 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         optimizer=opts.step.optimizer,
         optimizer_impl=_optimizer_impl(opts),
         checkpointing=opts.step.checkpointing,
-        inputs=batch.describe(),
+        inputs=got.run.batch.describe(),
         round_bytes=_rounding(opts),
         flat_buffers=len(layout.buffers),
         converted=sum(len(b.entries) for b in layout.buffers),
         kept=sum(1 for t in layout.kept if t.is_param),
         original=original,
         converted_step=converted,
-        kernels=kernels,
-        notes=(*_notes(opts, ckpt_note, kernels, holding), *getattr(loaded, "tuning_notes", ())),
+        kernels=got.kernels,
+        notes=(
+            *_notes(opts, got.run.ckpt_note, got.kernels, holding),
+            *getattr(loaded, "tuning_notes", ()),
+        ),
         outside=holding.outside if holding else None,
+        trace=got.how,
     )
 
 
@@ -201,14 +332,19 @@ def _optimizer_impl(opts: ProfileOptions) -> str:
     return opts.step.optimizer_impl
 
 
-def build_module(loaded, opts: ProfileOptions, fake_mode) -> nn.Module:
-    """A real module with the weights, or a fake one that holds no memory."""
+def build_module(loaded, opts: ProfileOptions, fake_mode, depth: int | None = None) -> nn.Module:
+    """A real module with the weights, or a fake one that holds no memory (of its first
+    ``depth`` layers only, where given: ``periodic``)."""
     if fake_mode is None:
         module = loaded.build_module()
         return module.to("cuda") if opts.step.device == "cuda" else module
     if loaded.module is None:
         loaded.build_module()  # raises: profiling needs an architecture
-    return fake_copy(loaded.module, loaded.spec, opts.step.device)
+    if depth is None:
+        return fake_copy(loaded.module, loaded.spec, opts.step.device)
+    stack = find_stack(loaded.module)
+    with cut(loaded.module, stack, depth) as short:
+        return fake_copy(short, loaded.spec, opts.step.device)
 
 
 def _batch(module: nn.Module, opts: ProfileOptions) -> Batch:
@@ -230,9 +366,9 @@ def warm_up(opt, params: list[nn.Parameter]) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _profile_step(
-    variant, module, params, batch, opts, sharded=None, traces=None, holding=None, steps=None
-) -> StepProfile:
+def _trace_step(module, params, batch, opts, sharded=None, layers=None) -> _Traced:
+    """Track one step of ``module``; ``layers`` (``_layers``): give each block its
+    layer (``periodic``)."""
     masters = Masters(module, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.step.optimizer, stepped, _optimizer_impl(opts))
@@ -244,19 +380,51 @@ def _profile_step(
     if sharded is not None:
         _tag_shards(tracker, sharded, masters, opt, _rounding(opts))
     names = module_names(module, opts)
-    rows = [n for n in dict.fromkeys(names.values()) if opts.per_module and _shallow(n, opts)]
+    if layers is not None:
+        tracker.layer_of = {name: i for i, (name, _) in layers.items()}
+        _own_layers(tracker, layers, sharded, masters, opt)
     cuda_before = _cuda_reset(opts.step.device)
     start = time.perf_counter()
-    with tracker, tracking_modules(tracker, names):
+    with tracker, tracking_modules(tracker, names), tracking_layers(tracker, layers or {}):
         _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
     wall = time.perf_counter() - start
-    timeline = tracker.replay(rows)
-    trace = tracker.alloc_trace() if traces is not None or holding is not None else None
+    shards = tracker.tags.sizes() if tracker.tags is not None else None
+    step = RecordedStep(tracker.recorded(), shards)
+    if tracker.owner_clash:
+        step = RecordedStep(dataclasses.replace(step.events, owners=None), shards)
+    return _Traced(step, wall, _cuda_peaks(opts.step.device, cuda_before))
+
+
+def _own_layers(tracker, layers, sharded, masters, opt) -> None:
+    """Give the storages that exist before the step their layer: each layer's
+    parameters and buffers, and what follows a parameter (its shard, master and
+    optimizer states)."""
+    for i, (_, layer) in layers.items():
+        tracker.own([*layer.parameters(), *layer.buffers()], i)
+    for b, shard in zip(sharded.flat.buffers, sharded.shards) if sharded is not None else ():
+        owner = tracker.owner_of(b.param)
+        if owner is not None:
+            tracker.own(shard, owner)
+    for p, m in masters.pairs if masters is not None else ():
+        owner = tracker.owner_of(p)
+        if owner is not None:
+            tracker.own(m, owner)
+    for p, state in opt.state.items() if opt is not None else ():
+        owner = tracker.owner_of(p)
+        if owner is not None:
+            tracker.own(list(state.values()), owner)
+
+
+def _step_profile(variant, got: _Steps, loaded, opts, traces=None, holding=None) -> StepProfile:
+    """A variant's figures from its step's events (traced, or repeated from a period)."""
+    step = got.steps[variant]
+    names = module_names(loaded.module, opts) if opts.per_module else {}
+    rows = [n for n in dict.fromkeys(names.values()) if _shallow(n, opts)]
+    timeline = step.events.replay(rows)
+    trace = step.events.alloc_trace() if traces is not None or holding is not None else None
     if traces is not None:
         traces[variant] = trace
-    if steps is not None:
-        shards = tracker.tags.sizes() if tracker.tags is not None else None
-        steps[variant] = RecordedStep(tracker.recorded(), shards)
+    shape = got.run.module if not got.how.periodic else loaded.module
     return StepProfile(
         variant=variant,
         peak=timeline.peak,
@@ -264,10 +432,10 @@ def _profile_step(
         phase_peaks=timeline.phase_peaks,
         end=timeline.end,
         modules=timeline.modules,
-        peak_modules=peak_shares(module, timeline.peak_by_module, opts.modules),
-        cuda=_cuda_peaks(opts.step.device, cuda_before),
-        ops=timeline.ops,
-        wall_s=wall,
+        peak_modules=peak_shares(shape, timeline.peak_by_module, opts.modules),
+        cuda=got.run.traced[variant].cuda,
+        ops=step.events.ops,
+        wall_s=got.wall[variant],
         series=timeline.series,
         reserved=reserved_peak(trace, holding) if holding is not None else None,
         phase_breakdowns=timeline.phase_breakdowns,
@@ -315,6 +483,8 @@ def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -
         tracker.assign(masters.grads(), "gradients")
     tracker.assign([p.grad for p in params if p.grad is not None], "gradients")
     tracker.assign([p.grad for p in module.parameters() if p.grad is not None], "gradients")
+    if tracker.layer_of is not None:
+        tracker.own_grads([*params, *(masters.stepped if masters else ())])
     tracker.set_phase("optimizer")
     if masters is not None:
         masters.before_step()

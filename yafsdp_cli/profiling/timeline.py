@@ -90,6 +90,8 @@ class StepEvents:
     where: tuple[tuple[str, ...], ...]
     stream: tuple[int, ...]
     ops: int
+    # per block, the layer of the stack it belongs to (``periodic``; None: not traced so)
+    owners: tuple[int | None, ...] | None = None
 
     def category(self, i: int) -> str:
         role = self.roles[i]

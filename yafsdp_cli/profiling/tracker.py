@@ -31,6 +31,13 @@ Each block also keeps the CUDA stream it was allocated on (0 where there is no
 GPU: fake tensors run on none), so ``alloc_trace`` can hand the caching
 allocator's model (``memory.caching_allocator``) the step as the allocator sees it.
 
+Where the step is traced for one period of a layer stack (``periodic``), each block
+also gets the layer it belongs to: the layer whose forward or backward was running
+when it was made; else the layer of the op's matching input (the same position of a
+foreach list, else the first owned tensor argument), so an optimizer's temporaries
+follow their parameter; else none. Storages that exist before the step (parameters,
+shards, masters, optimizer states) are given theirs (``own``).
+
 Each block also remembers the modules whose forward was running when it was made;
 ``replay`` then gives, at the step's peak, the activation bytes alive by the
 innermost of them (the module that made them), so those rows add up to the peak's
@@ -65,6 +72,45 @@ def op_tensors(*groups) -> list[torch.Tensor]:
     return out
 
 
+class LayerRegions:
+    """Which layer of a stack is running. Forward regions nest (a checkpointed layer
+    recomputes its forward inside its backward); backward ones follow each other: a
+    layer's backward starts when its output's gradient is ready, and the hook that
+    marks its end may fire late (once every input's gradient is in, after the
+    layer below has begun), so a backward region ends where the next begins.
+    ``last``: the layer whose region ended last in this phase."""
+
+    def __init__(self):
+        self.open: list[tuple[int, bool]] = []  # (layer, backward), innermost last
+        self.last: int | None = None
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.open)
+
+    def innermost(self) -> int | None:
+        return self.open[-1][0] if self.open else None
+
+    def context(self, fallback: int | None) -> int | None:
+        if self.open:
+            return self.open[-1][0]
+        return self.last if self.last is not None else fallback
+
+    def enter(self, layer: int, backward: bool) -> None:
+        if backward:
+            self.open = [r for r in self.open if not r[1]]
+        self.open.append((layer, backward))
+
+    def exit(self, layer: int, backward: bool) -> None:
+        if (layer, backward) in self.open:
+            i = len(self.open) - 1 - self.open[::-1].index((layer, backward))
+            del self.open[i]
+            self.last = layer
+
+    def reset(self) -> None:
+        self.open, self.last = [], None
+
+
 class StorageTracker(TorchDispatchMode):
     """See the note above. Use: ``with tracker: ...``, with ``set_phase`` between
     the phases, ``assign`` for roles, ``replay()`` at the end."""
@@ -87,23 +133,53 @@ class StorageTracker(TorchDispatchMode):
         self.ops = 0
         self.first_nbytes: list[int] = []  # each block's bytes when it was first seen
         self.tags = None  # a sharded step's ``shard_sizes.ShardTags``
+        # periodic tracing: layer module name -> its index in the stack (None: off)
+        self.layer_of: dict[str, int] | None = None
+        self._owner: list[int | None] = []  # per block, its layer
+        self._regions = LayerRegions()  # which layer is running
+        self.owner_clash = False  # a storage was given two layers
 
     # -- recording ---------------------------------------------------------------------
 
+    @property
+    def phase(self) -> str:
+        return self._phase
+
     def set_phase(self, phase: str) -> None:
         self._phase = phase
+        self._regions.reset()  # a region a hook never closed ends with its phase
         self._events.append((PHASE, phase))
 
     def enter_module(self, name: str, backward: bool) -> None:
         if not backward:
             self._active = (*self._active, name)
+        if self.layer_of is not None and name in self.layer_of:
+            self._regions.enter(self.layer_of[name], backward)
         self._events.append((ENTER, name, backward))
 
     def exit_module(self, name: str, backward: bool) -> None:
         if not backward and name in self._active:
             i = len(self._active) - 1 - self._active[::-1].index(name)
             self._active = self._active[:i] + self._active[i + 1 :]
+        layer = self.layer_of.get(name) if self.layer_of is not None else None
+        if layer is not None:
+            self._regions.exit(layer, backward)
         self._events.append((EXIT, name, backward))
+
+    def own(self, tensors, layer: int) -> None:
+        """Give the storages of ``tensors`` (any nesting) to ``layer`` (see the note);
+        unseen ones are registered as alive now."""
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, torch.Tensor):
+                i = self._see(t.untyped_storage())
+                if self._owner[i] is None:
+                    self._owner[i] = layer
+                elif self._owner[i] != layer:
+                    self.owner_clash = True
+
+    def owner_of(self, t: torch.Tensor) -> int | None:
+        i = self._index.get(t.untyped_storage())
+        return None if i is None else self._owner[i]
 
     def assign(self, tensors, role: str) -> None:
         """Give the storages of ``tensors`` (any nesting) ``role``; unseen ones are
@@ -114,13 +190,15 @@ class StorageTracker(TorchDispatchMode):
                 if self._role[i] is None:
                     self._role[i] = role
 
-    def _see(self, st) -> int:
+    def _see(self, st, owner: int | None = None) -> int:
         i = self._index.get(st)
         if i is not None:
             return i
         i = len(self._size)
         self._index[st] = i
         self._size.append(0)
+        inner = self._regions.innermost()
+        self._owner.append(inner if inner is not None else owner)
         self._role.append(None)
         self._born.append(self._phase)
         self._where.append(self._active)
@@ -161,11 +239,54 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops += 1
         outs = op_tensors(out if isinstance(out, (list, tuple)) else (out,))
+        owners = None
+        if self.layer_of is not None and not self._regions.inside and self._between_layers():
+            n = len(outs)
+            owners = [
+                self._input_owner(args, kwargs, k, n) if self.is_new(t) else None
+                for k, t in enumerate(outs)
+            ]
         if self.tags is not None and self.tags.inheriting:
-            self.tags.inherit(args, kwargs, outs)
-        for t in outs:
-            self._see(t.untyped_storage())
+            self.tags.inherit(args, kwargs, outs)  # registers the outputs it tags
+        for k, t in enumerate(outs):
+            i = self._see(t.untyped_storage())
+            if owners is not None and owners[k] is not None and self._owner[i] is None:
+                self._owner[i] = owners[k]
         return out
+
+    def _between_layers(self) -> bool:
+        """Whether a block made outside every layer now may take its inputs' layer:
+        in the optimizer step, or between two layers of a pass. Before a pass reaches
+        the stack and after it leaves (embedding, final norm, head, loss, and their
+        backward) a block belongs to no layer though it may come from one (the last
+        layer's output, the gradient the residual carries down through every layer's
+        backward, the embedding's gradient from the first layer's); the gradients a
+        runtime makes after the backward are given their layers (``own_grads``)."""
+        last = self._regions.last
+        if self._phase == "forward":
+            return last is not None and last != max(self.layer_of.values())
+        if self._phase == "backward":
+            return last is not None and last != min(self.layer_of.values())
+        return True
+
+    def own_grads(self, params) -> None:
+        """Give each parameter's gradient the parameter's layer."""
+        for p in params:
+            owner = self.owner_of(p)
+            if owner is not None and p.grad is not None:
+                self.own(p.grad, owner)
+
+    def _input_owner(self, args, kwargs, k: int, n: int) -> int | None:
+        """The layer of output ``k`` of ``n`` made outside every layer: its matching
+        input's (the same position of a foreach list), else the first owned tensor's."""
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, (list, tuple)) and len(a) == n and isinstance(a[k], torch.Tensor):
+                a = a[k]
+            if isinstance(a, torch.Tensor):
+                i = self._index.get(a.untyped_storage())
+                if i is not None and self._owner[i] is not None:
+                    return self._owner[i]
+        return None
 
     def __enter__(self):
         self._orig_resize = torch.UntypedStorage.resize_
@@ -202,6 +323,7 @@ class StorageTracker(TorchDispatchMode):
             tuple(self._where),
             tuple(self._stream),
             self.ops,
+            tuple(self._owner) if self.layer_of is not None else None,
         )
 
     def replay(self, modules_of_interest=None) -> Timeline:
