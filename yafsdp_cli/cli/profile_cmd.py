@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from ..numbers import MAX_COUNT
+from ..errors import YafsdpError
+from ..numbers import MAX_COUNT, shown
 from .command_kit import check_format, errors_to_exit, interrupt_ends_at_once
 from .flags import (
     COUNT,
@@ -96,6 +97,15 @@ def profile_command(
             help="Per-module rows: names with at most DEPTH parts.",
         ),
     ] = 3,
+    trace: Annotated[
+        str,
+        typer.Option(
+            "--trace",
+            metavar="periodic|whole",
+            help="--fake: trace one period of the layer stack and repeat it, checked "
+            "against a trace one period deeper (periodic), or trace every layer (whole).",
+        ),
+    ] = "periodic",
     alloc_conf: AllocConfOpt = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = "table",
@@ -110,6 +120,8 @@ def profile_command(
     with errors_to_exit():
         fmt = check_format(fmt, json_out)
         check_html_path(html, source)
+        if trace not in ("periodic", "whole"):
+            raise YafsdpError(f"--trace {shown(trace)!r}: give periodic or whole")
         from ..profiling import ProfileOptions, profile_source
         from ..profiling.profiler import STAGES
         from ..report import profile_view as view
@@ -146,6 +158,7 @@ def profile_command(
             per_module=per_module,
             depth=depth,
             modules=modules,
+            periodic=trace == "periodic",
         )
         with StageBar(fmt != "json", "profile", total=len(STAGES)) as bar, interrupt_ends_at_once():
             report = profile_source(

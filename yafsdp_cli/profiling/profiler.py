@@ -307,6 +307,7 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         kernels=got.kernels,
         notes=(
             *_notes(opts, got.run.ckpt_note, got.kernels, holding),
+            *((f"layers: {got.how.why}",) if opts.fake else ()),
             *getattr(loaded, "tuning_notes", ()),
         ),
         outside=holding.outside if holding else None,

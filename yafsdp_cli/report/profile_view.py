@@ -50,8 +50,18 @@ def to_json(report: ProfileReport) -> str:
             "outside": _outside_json(report),
             "notes": report.notes,
             "training_dtype": report.training_dtype,
+            "trace": _trace_json(report),
         },
     )
+
+
+def _trace_json(report: ProfileReport) -> dict | None:
+    """How the steps were had: one period of the layer stack traced, checked and
+    repeated (``periodic``), or every layer traced, and why."""
+    how = report.trace
+    if how is None:
+        return None
+    return {"periodic": how.periodic, "traced_layers": list(how.traced_layers), "why": how.why}
 
 
 def _step_json(s: StepProfile) -> dict:

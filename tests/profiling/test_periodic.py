@@ -1,0 +1,216 @@
+"""A fake step traced for one period of the layer stack and repeated equals the step
+traced whole: the same peak, phase peaks, breakdowns, end of step, op count and
+replayed reserved peak; and where the layers are not periodic, the whole model is
+traced and the report says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import options
+from torch import nn
+
+from yafsdp_cli.memory.caching_allocator import reserved_of
+from yafsdp_cli.options import LayoutOptions, StepOptions
+from yafsdp_cli.options.alloc_conf import allocator_setting
+from yafsdp_cli.profiling import ProfileOptions
+from yafsdp_cli.profiling.layer_stack import _period, find_stack
+from yafsdp_cli.profiling.profiler import profile_model
+from yafsdp_cli.sources import load_source
+
+tf = pytest.importorskip("transformers")
+
+
+def _folder(tmp_path, config) -> str:
+    folder = tmp_path / "model"
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def _llama(layers: int = 8):
+    return tf.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def _both(source, **step):
+    """The report traced one period and repeated, and the one traced whole."""
+    ws = step.pop("world_size", 1)
+    out = []
+    for periodic in (True, False):
+        opts = ProfileOptions(
+            layout=LayoutOptions(world_size=ws),
+            step=options(StepOptions, batch=2, seq_len=16, **step),
+            fake=True,
+            periodic=periodic,
+        )
+        traces: dict = {}
+        out.append((profile_model(load_source(source), opts, traces=traces), traces))
+    return out
+
+
+def _assert_same(periodic, whole) -> None:
+    (a, ta), (b, tb) = periodic, whole
+    for v in ("original", "converted_step"):
+        x, y = getattr(a, v), getattr(b, v)
+        assert x.peak == y.peak, v
+        assert x.peak_phase == y.peak_phase, v
+        assert x.phase_peaks == y.phase_peaks, v
+        assert x.phase_breakdowns == y.phase_breakdowns, v
+        assert x.end == y.end, v
+        assert x.ops == y.ops, v
+    conf = allocator_setting(None)
+    for v in ("original", "converted"):
+        assert reserved_of(ta[v], conf).reserved_peak == reserved_of(tb[v], conf).reserved_peak
+    assert (a.flat_buffers, a.converted, a.kept) == (b.flat_buffers, b.converted, b.kept)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        {},
+        {"world_size": 4},
+        {"checkpointing": "non-reentrant"},
+        {"checkpointing": "reentrant", "world_size": 2},
+        {"target": "cuda", "world_size": 8},
+        {"param_dtype": "bf16", "world_size": 2},
+    ],
+    ids=["plain", "sharded", "non-reentrant", "reentrant-sharded", "cuda", "bf16-masters"],
+)
+def test_llama_periodic_equals_whole(tmp_path, step):
+    periodic, whole = _both(_folder(tmp_path, _llama()), **step)
+    _assert_same(periodic, whole)
+    assert whole[0].trace.periodic is False
+    # the converted step (what plan measures) is repeated wherever it is periodic
+    assert periodic[0].trace.traced_layers == ((3, 4) if periodic[0].trace.periodic else (8,))
+
+
+def test_llama_cpu_step_is_repeated(tmp_path):
+    periodic, _ = _both(_folder(tmp_path, _llama(10)))
+    how = periodic[0].trace
+    assert how.periodic, how.why
+    assert how.traced_layers == (3, 4)
+    assert "checked event for event" in how.why
+
+
+def test_alternating_attention_has_period_two(tmp_path):
+    config = tf.Gemma2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+    )
+    source = _folder(tmp_path, config)
+    loaded = load_source(source)
+    stack = find_stack(loaded.module)
+    assert (stack.prefix, stack.period) == (0, 2)
+    periodic, whole = _both(source)
+    _assert_same(periodic, whole)
+
+
+def test_moe_with_dense_layers_between(tmp_path):
+    config = tf.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+    )
+    source = _folder(tmp_path, config)
+    stack = find_stack(load_source(source).module)
+    assert stack.period == 2
+    periodic, whole = _both(source)
+    _assert_same(periodic, whole)
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int, odd: int):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.layer_idx = index  # a place, not a setting: the signature ignores it
+        self.odd = odd
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.layer_idx == self.odd:  # one layer saves more for backward
+            y = y * torch.sigmoid(y)
+        return torch.relu(y) + x
+
+
+class _Stack(nn.Module):
+    def __init__(self, odd: int):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(_Layer(i, odd) for i in range(12))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def odd_at_3():
+    return _Stack(odd=3)
+
+
+def _both_module(factory):
+    out = []
+    for periodic in (True, False):
+        opts = ProfileOptions(step=StepOptions(batch=2, seq_len=8), fake=True, periodic=periodic)
+        out.append(profile_model(load_source(None, model=factory), opts))
+    return out
+
+
+def test_a_planted_layer_that_differs_is_traced_whole():
+    # layer 3 is inside the checked depth (4): the check sees it differ
+    periodic, whole = _both_module("test_periodic:odd_at_3")
+    how = periodic.trace
+    assert not how.periodic
+    assert "is not the traced step of 4" in how.why
+    assert how.traced_layers == (12,)
+    assert periodic.converted_step.peak == whole.converted_step.peak
+    assert periodic.original.peak == whole.original.peak
+
+
+def regular():
+    return _Stack(odd=-1)
+
+
+def test_a_factory_model_is_repeated_and_exact():
+    periodic, whole = _both_module("test_periodic:regular")
+    assert periodic.trace.periodic, periodic.trace.why
+    for v in ("original", "converted_step"):
+        assert getattr(periodic, v).peak == getattr(whole, v).peak
+        assert getattr(periodic, v).phase_peaks == getattr(whole, v).phase_peaks
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("aaaaaaaa", (0, 1)),
+        ("abababab", (0, 2)),
+        ("xaaaaaaaaa", (1, 1)),
+        ("aaaaab" * 5, (0, 6)),
+        ("aaaaabaaaaab", (12, 12)),  # no period short enough to gain
+        ("xyabababababab", (2, 2)),
+    ],
+)
+def test_period_of_signatures(pattern, expected):
+    assert _period(list(pattern)) == expected
