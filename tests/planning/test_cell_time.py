@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.plan import plan
+from yafsdp_cli.engine.records import retype_params
 from yafsdp_cli.errors import YafsdpError
-from yafsdp_cli.inspection.build import retype_params
 from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
 from yafsdp_cli.planning.cell import Cell

@@ -7,6 +7,7 @@ layout, memory model, checkpoint writer). Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -80,3 +81,20 @@ class ModelSpec:
     def by_name(self) -> dict[str, TensorRecord]:
         """Every name, aliases included, to its record."""
         return {n: t for t in self.tensors for n in t.names}
+
+
+def retype_params(spec: ModelSpec, param_dtype: str | None, keep_frozen: bool = False) -> ModelSpec:
+    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged;
+    ``keep_frozen``: parameters that do not train too, as a LoRA base, see
+    ``profiling.precision.cast_params``); ``param_dtype`` comes from a validated
+    ``StepOptions``."""
+    if not param_dtype:
+        return spec
+    target = dtypes.canonical(param_dtype)
+    tensors = tuple(
+        dataclasses.replace(t, dtype=target)
+        if t.is_param and t.floating and (t.requires_grad or not keep_frozen)
+        else t
+        for t in spec.tensors
+    )
+    return dataclasses.replace(spec, tensors=tensors)

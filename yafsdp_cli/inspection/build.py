@@ -23,7 +23,7 @@ from ..engine import dtypes
 from ..engine.filters import parse_filter
 from ..engine.layout import BufferLayout, FlatEntry, Layout, ShardPiece, parse_align
 from ..engine.plan import plan
-from ..engine.records import ModelSpec, TensorRecord
+from ..engine.records import ModelSpec, TensorRecord, retype_params
 from ..engine.units import ROOT
 from ..errors import FilterError, SourceError
 from ..memory.config import memory_config
@@ -258,23 +258,6 @@ def _check_architecture_filters(loaded, exprs: Sequence[str]) -> None:
     for text in exprs:
         if parse_filter(text).needs_architecture:
             raise FilterError(f"filter {text!r} needs the model's architecture: {hint}")
-
-
-def retype_params(spec: ModelSpec, param_dtype: str | None, keep_frozen: bool = False) -> ModelSpec:
-    """Every floating-point parameter in ``param_dtype`` (module buffers unchanged;
-    ``keep_frozen``: parameters that do not train too, as a LoRA base, see
-    ``profiling.precision.cast_params``); ``param_dtype`` comes from a validated
-    ``StepOptions``."""
-    if not param_dtype:
-        return spec
-    target = dtypes.canonical(param_dtype)
-    tensors = tuple(
-        dataclasses.replace(t, dtype=target)
-        if t.is_param and t.floating and (t.requires_grad or not keep_frozen)
-        else t
-        for t in spec.tensors
-    )
-    return dataclasses.replace(spec, tensors=tensors)
 
 
 def _param_summary(spec: ModelSpec, layout: Layout) -> ParamSummary:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..engine.plan import plan
+from ..engine.records import retype_params
 from ..errors import YafsdpError
-from ..inspection.build import retype_params
 from ..profiling import ProfileOptions
 from ..schemes import FLAT
 from ..timing import (

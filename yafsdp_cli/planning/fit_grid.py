@@ -19,7 +19,7 @@ import time
 from functools import cache
 
 from ..engine.plan import plan
-from ..inspection.build import retype_params
+from ..engine.records import retype_params
 from ..memory import estimate_memory, headroom
 from ..mesh import Mesh
 from ..schemes import FLAT

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from ..engine.plan import plan
-from ..inspection.build import retype_params
+from ..engine.records import retype_params
 from ..memory import estimate_memory, headroom
 from ..memory.step_schemes import SchemeSettings, StepAt, scheme_memory
 from ..mesh import Mesh

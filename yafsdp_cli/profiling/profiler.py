@@ -24,6 +24,7 @@ from ..engine.flat import convert_module
 from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
+from ..engine.records import retype_params
 from ..engine.sharded import LocalComm, ShardedFlat
 from ..engine.train_step import (
     Batch,
@@ -34,7 +35,6 @@ from ..engine.train_step import (
     step_loss,
 )
 from ..errors import YafsdpError
-from ..inspection.build import retype_params
 from ..options.training_dtype import training_dtype
 from ..sources.adapted import adapt, keeps_stored_base
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
