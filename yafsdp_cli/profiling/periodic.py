@@ -84,7 +84,7 @@ def contexts(events: StepEvents, stack: Stack, depth: int) -> tuple[list[int | N
     seen: set[int] = set()
     phase = "setup"
     loop = _Loop()
-    for i, ev in enumerate(events.events):
+    for ev in events.events:
         kind = ev[0]
         if kind == SIZE:
             owner = owners[ev[1]]
@@ -96,7 +96,7 @@ def contexts(events: StepEvents, stack: Stack, depth: int) -> tuple[list[int | N
             if phase in ("forward", "backward"):
                 out.append(regions.context(owner))
             else:
-                out.append(loop.context(ev[1], owner, first, i))
+                out.append(loop.context(ev[1], owner, first, ev[2]))
         elif kind == PHASE:
             regions.reset()
             loop = _Loop()
@@ -120,9 +120,10 @@ class _Loop:
     """Contexts outside the passes. A loop over parameters frees one parameter's
     temporaries while it makes the next one's: such a free belongs with the layer
     being made (one layer back, in every copy). A free is such when its block's
-    layer is not the one being made, and every block made since it belongs to one
-    of the two; any other event belongs to its block's layer (a foreach op makes a
-    block per layer in order, and its list frees them in reverse later)."""
+    layer is not the one being made, every block made since it belongs to one of
+    the two, and one of those is still alive (the next parameter's work is under
+    way); any other event belongs to its block's layer (a foreach op makes a block
+    per layer in order, and its list frees them in reverse once all are made)."""
 
     NEAR = 64  # births after a block that are searched
 
@@ -130,19 +131,27 @@ class _Loop:
         self.cursor: int | None = None  # the layer whose births came last
         self.births: list[int] = []  # the layers of the blocks made, in order
         self.born: dict[int, int] = {}  # block -> its place in ``births``
+        self.blocks: list[int] = []  # the blocks made, in order
+        self.size: dict[int, int] = {}  # block -> its bytes now
 
-    def context(self, block: int, owner: int | None, first: bool, i: int) -> int | None:
+    def context(self, block: int, owner: int | None, first: bool, delta: int) -> int | None:
+        self.size[block] = self.size.get(block, 0) + delta
         if first:
             if owner is not None:
                 self.born[block] = len(self.births)
                 self.births.append(owner)
+                self.blocks.append(block)
                 self.cursor = owner
             return owner
         at = self.born.get(block)
         if owner is None or self.cursor is None or owner == self.cursor or at is None:
             return owner
         since = self.births[at + 1 :]
-        if len(since) <= self.NEAR and all(o in (owner, self.cursor) for o in since):
+        if (
+            len(since) <= self.NEAR
+            and all(o in (owner, self.cursor) for o in since)
+            and any(self.size.get(b, 0) > 0 for b in self.blocks[at + 1 :])
+        ):
             return self.cursor
         return owner
 
