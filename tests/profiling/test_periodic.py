@@ -138,6 +138,39 @@ def test_moe_with_dense_layers_between(tmp_path):
     _assert_same(periodic, whole)
 
 
+@pytest.mark.parametrize("step", [{}, {"world_size": 4, "target": "cuda"}], ids=["plain", "cuda"])
+def test_dense_first_layers_are_a_prefix(tmp_path, step):
+    # DeepSeek-V3's shape: multi-head latent attention, shared and routed experts, and
+    # first_k_dense_replace dense layers before them
+    config = tf.DeepseekV3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    )
+    source = _folder(tmp_path, config)
+    stack = find_stack(load_source(source).module)
+    assert (stack.prefix, stack.period) == (2, 1)
+    periodic, whole = _both(source, **step)
+    assert periodic[0].trace.periodic, periodic[0].trace.why
+    assert periodic[0].trace.traced_layers == (5, 6)
+    _assert_same(periodic, whole)
+
+
 class _Layer(nn.Module):
     def __init__(self, index: int, odd: int):
         super().__init__()
