@@ -55,9 +55,6 @@ class PeriodicTrace:
     why: str
     traced_layers: tuple[int, ...] = ()  # depths traced (short, check) or (whole,)
 
-    def describe(self) -> str:
-        return self.why
-
 
 def _stage(last: int | None, phase: str, depth: int) -> str:
     """Where a pass is relative to the stack: before it, between layers, past it."""

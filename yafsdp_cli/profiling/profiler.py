@@ -112,12 +112,12 @@ def profile_converted(
     return _step_profile("converted", got, loaded, opts, traces)
 
 
-def _prepared(loaded, opts: ProfileOptions, fake_mode, depth: int | None = None):
+def _prepared(loaded, opts: ProfileOptions, fake_mode, stack=None, depth: int | None = None):
     """The module in its training dtype with its layout, units checkpointed if asked
     (on this one model: it is converted in place, never copied), and how it was
-    checkpointed, in words. ``depth``: the first that many layers of its stack only
+    checkpointed, in words. ``depth``: the first that many layers of ``stack`` only
     (a fake step traced for one period, ``periodic``)."""
-    module = build_module(loaded, opts, fake_mode, depth)
+    module = build_module(loaded, opts, fake_mode, stack, depth)
     cast_params(module, opts.step.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
     layout = plan(spec_from_module(module), opts.layout)
@@ -180,22 +180,22 @@ class _Steps:
 def _run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None) -> _Run:
     """Build the model (``depth`` layers of ``stack`` where given) and track the step
     of each of ``variants`` (original, then converted in place)."""
-    holding_progress = len(STAGES)
-    progress(STAGES[0], 0, holding_progress)
+    total = len(STAGES)
+    progress(STAGES[0], 0, total)
     with entered(fake_mode):
-        module, layout, ckpt_note = _prepared(loaded, opts, fake_mode, depth)
+        module, layout, ckpt_note = _prepared(loaded, opts, fake_mode, stack, depth)
     batch = _batch(module, opts)
     attention, modes = _step_modes(opts, fake_mode)
     layers = _layers(module, stack) if stack is not None else None
     traced = {}
     with entered(*modes), index_errors(module, opts):
         if "original" in variants:
-            progress(STAGES[1], 1, holding_progress)
+            progress(STAGES[1], 1, total)
             params = list(module.parameters())
             traced["original"] = _trace_step(module, params, batch, opts, None, layers)
-        progress(STAGES[2], 2, holding_progress)
+        progress(STAGES[2], 2, total)
         params, sharded = _convert(module, layout, opts)
-        progress(STAGES[3], 3, holding_progress)
+        progress(STAGES[3], 3, total)
         traced["converted"] = _trace_step(module, params, batch, opts, sharded, layers)
     kernels = dict(attention.used) if attention else {}
     return _Run(traced, layout, ckpt_note, batch, kernels, module)
@@ -333,9 +333,11 @@ def _optimizer_impl(opts: ProfileOptions) -> str:
     return opts.step.optimizer_impl
 
 
-def build_module(loaded, opts: ProfileOptions, fake_mode, depth: int | None = None) -> nn.Module:
-    """A real module with the weights, or a fake one that holds no memory (of its first
-    ``depth`` layers only, where given: ``periodic``)."""
+def build_module(
+    loaded, opts: ProfileOptions, fake_mode, stack=None, depth: int | None = None
+) -> nn.Module:
+    """A real module with the weights, or a fake one that holds no memory (of the first
+    ``depth`` layers of ``stack`` only, where given: ``periodic``)."""
     if fake_mode is None:
         module = loaded.build_module()
         return module.to("cuda") if opts.step.device == "cuda" else module
@@ -343,7 +345,6 @@ def build_module(loaded, opts: ProfileOptions, fake_mode, depth: int | None = No
         loaded.build_module()  # raises: profiling needs an architecture
     if depth is None:
         return fake_copy(loaded.module, loaded.spec, opts.step.device)
-    stack = find_stack(loaded.module)
     with cut(loaded.module, stack, depth) as short:
         return fake_copy(short, loaded.spec, opts.step.device)
 
