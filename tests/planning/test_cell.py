@@ -57,5 +57,5 @@ def test_a_mesh_beyond_data_parallelism_is_refused_where_cells_are_made(mesh):
 
 def test_a_row_gives_its_cell():
     zero = PlanBreakdown(*[0] * 9)
-    row = PlanRow(4, 2, 64, "reentrant", 1, 1, zero, "backward", True, True, 1, 0, (), True, None)
+    row = PlanRow(4, 2, 64, "reentrant", 1, 1, zero, "backward", True, 1, 0, (), None)
     assert row.cell == Cell.at(4, 2, "reentrant")

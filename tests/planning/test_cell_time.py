@@ -103,7 +103,7 @@ def row(ws: int, mb: int, tokens_per_s: float, fits: bool = True, ck: str = "non
                        tokens_per_s, 0.4, 0, 0)  # fmt: skip
     zero = PlanBreakdown(*[0] * 9)
     return PlanRow(
-        ws, mb, 100, ck, 1, 1, zero, "backward", fits, True, 1, 0, (), True, None, time=est
+        ws, mb, 100, ck, 1, 1, zero, "backward", fits, 1, 0, (), None, time=est
     )
 
 

@@ -85,7 +85,7 @@ def test_a_cell_that_fits_on_allocated_but_not_on_reserved(llama):
     report, row = one_cell(llama, gpu, reserve=0, margin=0, alloc_conf="")
     assert row.peak_bytes == peak and row.reserved_bytes == reserved
     assert row.fragmentation_bytes == reserved - peak
-    assert row.reserved_replayed and row.needed_bytes == reserved
+    assert row.needed_bytes == reserved
     assert row.peak_bytes <= gpu and not row.fits
     _, roomy = one_cell(llama, reserved, reserve=0, margin=0, alloc_conf="")
     assert roomy.fits and roomy.needed_bytes == reserved
@@ -139,70 +139,61 @@ def test_the_best_row_keeps_the_margin(llama):
     assert default.memory.margin_bytes == round(0.03 * (80 << 30))
 
 
-def test_best_and_advised_rows_are_replayed_from_their_own_runs(llama):
-    """Cells without a run carry the nearest run's fragmentation; the rows the answer
-    rests on are replayed, and equal a direct replay of the cell's own fake step."""
+def test_every_cell_is_its_own_steps_replay(llama):
+    """Every row's allocated and reserved peaks, and its advised setting's reserved
+    peak where it has one, are those of a direct replay of the cell's own fake step."""
+    _, default = cell_replay(llama, *CELL)
+    _, grown = cell_replay(llama, *CELL, EXPANDABLE)
     opts = options(
         PlanOptions,
-        gpu_memory=8 * MIB,
+        gpu_memory=(default + grown) // 2,  # CELL fits only with expandable segments
         reserve=0,
         margin=0,
-        world_sizes=(1, 4),
+        world_sizes=(1, 2, 4),
         micro_batches=(1, 2, 4, 8),
         seq_len=SEQ,
         jobs=1,
     )
     report = plan_model(llama, opts)
-    assert report.best.reserved_replayed
-    b = report.best
-    peak, direct = cell_replay(llama, b.world_size, b.micro_batch, b.checkpointing)
-    # the cell's own fake step, not the line, gives its allocated and reserved peaks
-    assert (b.peak_bytes, b.reserved_bytes, b.measured) == (peak, direct, True)
-    assert b.fragmentation_bytes == direct - peak
-    for c in report.reserved_checks:
-        row = next(
-            r
-            for r in report.rows
-            if (r.world_size, r.micro_batch, r.checkpointing)
-            == (c.world_size, c.micro_batch, c.checkpointing)
-        )
-        assert row.reserved_replayed
-        assert c.replayed_bytes in (row.reserved_bytes, getattr(row.fits_with, "reserved_bytes", 0))
-    assert any(not r.reserved_replayed for r in report.rows)
-
-
-def test_a_cell_with_its_own_run_reports_that_run_not_the_line(llama, monkeypatch):
-    """The line only estimates a cell; where the cell has a fake step of its own (a
-    measured one, the best row's replay) the row gives that step's allocated and
-    reserved peaks, as ``profile --fake`` of the cell does. A line made 1 MiB wrong
-    shows in every carried row and in none with a run."""
-    from yafsdp_cli.planning import measure
-
-    real = measure.PhaseLine.at
-
-    def off(self, micro_batch, world_size):
-        phase, act, temp = real(self, micro_batch, world_size)
-        return phase, act, temp + MIB
-
-    monkeypatch.setattr(measure.PhaseLine, "at", off)
-    opts = options(PlanOptions,
-        gpu_memory=8 * MIB, reserve=0, margin=0, world_sizes=(1, 2, 4),
-        micro_batches=(1, 2, 4, 8), seq_len=SEQ, jobs=1,
-    )  # fmt: skip
-    report = plan_model(llama, opts)
-    monkeypatch.setattr(measure.PhaseLine, "at", real)
-    truth = plan_model(llama, opts)
-    own = [r for r in report.rows if r.reserved_replayed]
-    carried = [r for r in report.rows if not r.reserved_replayed]
-    assert own and carried and report.best in own
-    for r in own:
+    assert len(report.rows) == 3 * 4 * 2 == report.fake_runs
+    for r in report.rows:
         peak, reserved = cell_replay(llama, r.world_size, r.micro_batch, r.checkpointing)
-        assert (r.peak_bytes, r.reserved_bytes, r.measured) == (peak, reserved, True), r
-    same = {(r.world_size, r.micro_batch, r.checkpointing): r for r in truth.rows}
-    for r in carried:
-        t = same[(r.world_size, r.micro_batch, r.checkpointing)]
-        assert r.peak_bytes == t.peak_bytes + MIB
-        assert r.breakdown.temporaries == t.breakdown.temporaries + MIB
+        assert (r.peak_bytes, r.reserved_bytes) == (peak, reserved), r.cell
+        assert r.fragmentation_bytes == reserved - peak
+        if r.fits_with is not None:
+            _, grown = cell_replay(llama, *key(r), EXPANDABLE)
+            assert r.fits_with.reserved_bytes == grown
+    assert any(r.fits_with is not None for r in report.rows)
+    assert any(r.fits for r in report.rows) and not all(r.fits for r in report.rows)
+
+
+def test_a_cell_reads_the_same_in_any_grid_and_objective(llama):
+    """A cell's figures do not depend on what else the plan is asked: each cell of a
+    grid equals the same cell asked alone, and the grid under another objective."""
+    base = dict(reserve=0, margin=0, seq_len=SEQ, jobs=1, gpu="h100-sxm", gpu_memory=8 * MIB)
+    grid = dict(world_sizes=(1, 2, 8), micro_batches=(1, 2, 8))
+    full = plan_model(llama, options(PlanOptions, **base, **grid))
+    hours = plan_model(
+        llama, options(PlanOptions, **base, **grid, objective="gpu-hours", tokens=10**9)
+    )
+    assert [_figures(r) for r in full.rows] == [_figures(r) for r in hours.rows]
+    for r in full.rows:
+        ws, mb, ck = key(r)
+        (alone,) = plan_model(
+            llama,
+            options(
+                PlanOptions, **base, world_sizes=(ws,), micro_batches=(mb,), checkpointing=(ck,)
+            ),
+        ).rows
+        assert _figures(alone) == _figures(r), key(r)
+
+
+def key(r) -> tuple[int, int, str]:
+    return r.world_size, r.micro_batch, r.checkpointing
+
+
+def _figures(r) -> tuple:
+    return (key(r), r.peak_bytes, r.reserved_bytes, r.needed_bytes, r.fits, r.breakdown)
 
 
 def test_plan_json_carries_the_reserved_figures():
@@ -303,25 +294,3 @@ def test_nothing_of_a_plan_outlives_it_with_replays_and_advice(llama, monkeypatc
         del report, row
     assert tensors_alive() == base
     assert len(refs) >= 4 and [r for r in refs if r() is not None] == []
-
-
-def test_carried_cells_against_their_own_replay(llama):
-    """Every cell without a run of its own against a direct replay of its own fake
-    step: the carried reserved peak stays within a 2 MiB segment and 10% of it."""
-    opts = options(
-        PlanOptions,
-        gpu_memory=1 << 40,
-        reserve=0,
-        margin=0,
-        world_sizes=(1, 4),
-        micro_batches=(1, 2, 4, 8),
-        seq_len=SEQ,
-        jobs=1,
-    )
-    report = plan_model(llama, opts)
-    carried = [r for r in report.rows if not r.reserved_replayed]
-    assert len(carried) >= len(report.rows) // 3
-    for r in carried:
-        peak, direct = cell_replay(llama, r.world_size, r.micro_batch, r.checkpointing)
-        assert r.reserved_bytes % (2 * MIB) == 0 and r.reserved_bytes >= r.peak_bytes
-        assert abs(r.reserved_bytes - direct) <= max(2 * MIB, 0.1 * direct), (r, direct)

@@ -98,8 +98,8 @@ def test_what_cannot_be_rewritten_is_not(llama):
 
 
 def test_a_plan_of_rewritten_steps_equals_one_of_fake_steps_alone(llama, monkeypatch):
-    """World sizes 1..8 and a reserved replay of the best row: the runs above world size
-    1 take one step per micro-batch and checkpointing choice."""
+    """World sizes 1..8: the runs above world size 1 take one step per micro-batch and
+    checkpointing choice, and give what a step per cell gives."""
     opts = options(
         PlanOptions,
         gpu_memory=1 << 30,
@@ -114,28 +114,22 @@ def test_a_plan_of_rewritten_steps_equals_one_of_fake_steps_alone(llama, monkeyp
     monkeypatch.setattr(RecordedStep, "at_world_size", lambda self, ws: None)
     alone = plan_model(llama, opts)
     assert shared.rows == alone.rows and shared.best == alone.best
-    assert shared.reserved_checks == alone.reserved_checks
     assert shared.fake_runs == alone.fake_runs == alone.fake_steps
     assert shared.fake_steps < alone.fake_steps
     assert any(f"from {shared.fake_steps} fake steps" in n for n in shared.notes)
 
 
-def test_the_runner_rewrites_a_step_it_has_and_runs_one_it_has_not(llama):
-    """A later run (a reserved replay of the best row) at a micro-batch already run
-    above world size 1 takes no fake step, and its figures are the step's own."""
+def test_the_runner_takes_one_step_per_choice_above_world_size_one(llama):
+    """The cells of one micro-batch and checkpointing above world size 1 are one fake
+    step; each cell's figures are those of a step run at its own world size."""
     from yafsdp_cli.planning.cell import Cell
     from yafsdp_cli.planning.measure import Runner, measure_peaks
 
     opts = options(PlanOptions, gpu_memory=1 << 30, world_sizes=(2, 4, 8), seq_len=64, jobs=1)
     runner = Runner(llama, opts, 64, lambda ws: 0)
-    runner.prefetch(
-        [Cell.at(2, 1, "none"), Cell.at(2, 2, "none"), Cell.at(8, 1, "none"), Cell.at(1, 1, "none")]
-    )
-    assert (runner.runs, runner.steps) == (4, 3)
-    runner.prefetch([Cell.at(4, 2, "none")])
-    assert (runner.runs, runner.steps) == (5, 3)
-    assert runner.figures(Cell.at(4, 2, "none")) == measure_peaks(
-        llama, opts, 64, Cell.at(4, 2, "none")
-    )
-    runner.prefetch([Cell.at(4, 4, "none"), Cell.at(8, 4, "none")])
-    assert (runner.runs, runner.steps) == (7, 4)
+    cells = [Cell.at(ws, mb, "none") for ws in (1, 2, 4, 8) for mb in (1, 2)]
+    runner.prefetch(cells)
+    assert (runner.runs, runner.steps) == (8, 4)
+    for cell in cells:
+        assert runner.figures(cell) == measure_peaks(llama, opts, 64, cell), cell
+    assert (runner.runs, runner.steps) == (8, 4)  # asked again: nothing run

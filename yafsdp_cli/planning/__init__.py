@@ -6,7 +6,7 @@ micro-batch x activation checkpointing. ``report`` renders it; ``cli`` calls it.
 
 Owns what a plan is asked (``plan_options``) and what it answers (``plan_report``),
 the grid (``fit_grid``) and its key, a ``Cell`` of a mesh, a micro-batch and a
-checkpointing choice (``cell``), the fake runs and the lines fitted through them
+checkpointing choice (``cell``), the fake steps that measure every cell
 (``measure``), each cell's reserved peak and the memory beside the allocator
 (``reserved_fit``), each cell's step time on a named GPU and the best row by an
 objective (``cell_time``), the processes that run them at once (``pool``) and the
@@ -27,7 +27,6 @@ from .fit_grid import context_length, plan_model, plan_source
 from .plan_options import PlanOptions, parse_ints
 from .plan_report import (
     SCHEMA,
-    LinearityCheck,
     PlanBreakdown,
     PlanReport,
     PlanRow,
@@ -37,7 +36,6 @@ from .plan_report import (
 
 __all__ = [
     "SCHEMA",
-    "LinearityCheck",
     "PlanBreakdown",
     "PlanOptions",
     "PlanReport",

@@ -48,7 +48,7 @@ from ..timing.step_estimate import objective_key, phase_times
 from .cell import Cell
 from .plan_options import PlanOptions
 from .plan_report import PlanRow, PlanTiming
-from .pool import Origin, run_cells
+from .pool import Origin, run_jobs
 from .reserved_fit import keeping_margin
 
 
@@ -127,6 +127,25 @@ def _on_line(a: int, b: int, x0: int, x1: int, x: int) -> int:
     return a + round((b - a) * (x - x0) / (x1 - x0))
 
 
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A job (``pool``): the kernels of one step of ``cell``'s micro-batch and
+    checkpointing."""
+
+    cell: Cell
+
+    @property
+    def micro_batch(self) -> int:
+        return self.cell.micro_batch
+
+    @property
+    def checkpointing(self) -> str:
+        return self.cell.checkpointing
+
+    def run(self, loaded, opts: PlanOptions, seq_len: int) -> StepCosts:
+        return count_cell(loaded, opts, seq_len, self.cell)
+
+
 class CellTimer:
     """Counts the kernels a plan's cells need and times each cell."""
 
@@ -143,25 +162,30 @@ class CellTimer:
 
         self.layout, self.cfg = layout, cfg
 
+    def wanted(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> list[Count]:
+        """The counts not made yet of the two smallest micro-batches of each
+        checkpointing choice."""
+        points = sorted(set(micro_batches))[:2]
+        return self._wanted([Cell.at(1, mb, ck) for ck in checkpointing for mb in points])
+
+    def _wanted(self, cells: list[Cell]) -> list[Count]:
+        return [Count(c) for c in dict.fromkeys(cells) if c not in self.counts]
+
+    def take(self, found: dict) -> None:
+        """The results of ``run_jobs`` (its counts; others' jobs ignored)."""
+        mine = {job.cell: costs for job, costs in found.items() if isinstance(job, Count)}
+        self.counts.update(mine)
+
     def count(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> None:
         """Counts the two smallest micro-batches of each checkpointing choice."""
-        points = sorted(set(micro_batches))[:2]
-        self._run([Cell.at(1, mb, ck) for ck in checkpointing for mb in points])
+        self._run(self.wanted(micro_batches, checkpointing))
 
-    def _run(self, cells: list[Cell]) -> None:
-        wanted = [c for c in dict.fromkeys(cells) if c not in self.counts]
-        if not wanted:
-            return
-        found, _ = run_cells(
-            wanted,
-            lambda cell: count_cell(self.loaded, self.opts, self.seq_len, cell),
-            count_cell,
-            loaded=self.loaded,
-            opts=self.opts,
-            seq_len=self.seq_len,
-            origin=self.origin,
-        )
-        self.counts.update(found)
+    def _run(self, jobs: list[Count]) -> None:
+        if jobs:
+            found, _ = run_jobs(
+                jobs, loaded=self.loaded, opts=self.opts, seq_len=self.seq_len, origin=self.origin
+            )
+            self.take(found)
 
     @property
     def runs(self) -> int:
@@ -183,7 +207,7 @@ class CellTimer:
             )
             if found is not None:
                 return found
-        self._run([at(micro_batch)])
+        self._run(self._wanted([at(micro_batch)]))
         return self.counts[at(micro_batch)]
 
     def time(self, row: PlanRow, costs: StepCosts, phases=None) -> StepEstimate:
@@ -274,11 +298,18 @@ def _note(timer: CellTimer) -> str:
     nodes = s.gpu.gpus_per_node
     return (
         f"time per step on {s.gpu.name} ({s.gpu.source}): the roofline over every kernel of "
-        f"the step ({timer.runs} counted fake steps; other micro-batches kernel by kernel on "
-        "the line through two), plus the flat scheme's all-gathers and reduce-scatters that "
-        f"compute does not hide with one unit prefetched; ring over {nodes} GPUs per node, "
+        f"the step ({timer.runs} counted fake steps{_layers(timer)}; other micro-batches kernel "
+        "by kernel on the line through two), plus the flat scheme's all-gathers and "
+        "reduce-scatters that compute does not hide with one unit prefetched; ring over "
+        f"{nodes} GPUs per node, "
         f"{s.cluster.inter_node_bytes_per_s / 1e9:g} GB/s per GPU between nodes (--network)"
     )
+
+
+def _layers(timer: CellTimer) -> str:
+    """How the counts were had: the whole model, or a few layers repeated."""
+    counted = sorted({c.counted for c in timer.counts.values() if c.counted})
+    return f", {'; '.join(counted)}" if counted else ""
 
 
 def ranked_rows(rows: Sequence[PlanRow], objective: str) -> list[PlanRow]:

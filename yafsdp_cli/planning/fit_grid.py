@@ -3,13 +3,13 @@ activation checkpointing, and whether each fits a GPU.
 
 The persistent bytes of each world size come from the memory model (flat
 scheme: shards of parameters, gradients, optimizer states and master weights,
-replicated buffers, the all-gather and gradient buffers of the largest unit); the
-step's own bytes (activations, temporaries) from as few fake runs as the grid
-allows (``measure``): two micro-batches per checkpointing choice at one world size
-(the smallest above 1 whose persistent bytes fit), the same at world size 1 when it
-is in the grid and could fit, and a third micro-batch to check the line; a run at
-another world size above 1 is one of those steps with that world size's shard sizes
-(``measure``), so it takes no fake step of its own.
+replicated buffers, the all-gather and gradient buffers of the largest unit); every
+cell's peak, activations and reserved peak from its own fake step (``measure``):
+one step per micro-batch and checkpointing choice above world size 1, its events
+at each world size's shard sizes, and one per cell at world size 1. So a cell's
+figure does not depend on the grid, the objective or the other cells; where the
+grid is not monotone (more memory for a smaller micro-batch or for more GPUs),
+``--explain`` says which part of the two cells moved (``monotonicity``).
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from functools import cache
 
 from ..engine.plan import plan
 from ..engine.records import retype_params
-from ..memory import estimate_memory, headroom
+from ..memory import estimate_memory
 from ..mesh import Mesh
 from ..schemes import FLAT
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
-from .measure import PhaseLine, Runner
+from .measure import Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
-from .pool import Origin
-from .reserved_fit import ReservedFit, advised, keeping_margin, settle, with_own_run
+from .pool import Origin, run_jobs
+from .reserved_fit import ReservedFit, advised, keeping_margin, top_phase
 from .scheme_peaks import compare_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -63,37 +63,32 @@ def plan_model(
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
     runner = Runner(loaded, opts, seq_len, lambda ws: memory(ws).total, origin)
-    fit = ReservedFit(opts, runner.figures, runner.model_total, runner.made)
-    lines, checks = _measure(runner, opts, sizes, lambda ws: memory(ws).total, fit)
+    fit = ReservedFit(opts, runner.figures)
     cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
-    rows = [
-        _row(c, seq_len, memory(c.world_size), _line_for(lines, c.checkpointing, c.world_size), fit)
-        for c in cells
-    ]
     setup = timing_setup(opts)
-    if setup is not None:
-        timer = CellTimer(loaded, opts, seq_len, setup, origin)
+    timer = CellTimer(loaded, opts, seq_len, setup, origin) if setup is not None else None
+    # the memory steps and the kernel counts in one pool: its workers start once
+    jobs = runner.wanted(cells)
+    if timer is not None:
+        jobs += timer.wanted(opts.micro_batches, opts.checkpointing)
+    found, processes = run_jobs(jobs, loaded=loaded, opts=opts, seq_len=seq_len, origin=origin)
+    runner.take(found, processes)
+    rows = [_row(c, seq_len, memory(c.world_size), runner, fit) for c in cells]
+    if timer is not None:
+        timer.take(found)
         rows = timed_rows(timer, rows)
     chooser = best_row if setup is None else _by_objective(opts)
-    rows, reserved_checks = settle(rows, fit, runner.prefetch, chooser)
-    if opts.world_sizes is None:  # cut on the settled figures, keeping the chosen rows
+    if opts.world_sizes is None:  # cut keeping the chosen rows
         best, advice = _best_and_advice(rows, opts)
         timed = chooser(keeping_margin(rows))
         chosen = [r.world_size for r in (best, timed, advice and advice.row) if r is not None]
         rows = _up_to_enough(rows, opts, at_least=max(chosen, default=1))
-    report = _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit)
-    report = dataclasses.replace(
-        report,
-        reserved_checks=reserved_checks,
-        notes=(*report.notes, *map(_reserved_note, reserved_checks)),
-    )
+    report = _report(loaded, opts, seq_len, rows, runner, start, fit)
     if setup is not None:
         report = with_timing(report, rows, timer, opts)
     if opts.schemes != (FLAT.name,):
         sizes = tuple(dict.fromkeys(r.world_size for r in rows))  # the plan's own grid
-        schemes = compare_schemes(
-            loaded, opts, runner, lines, _line_for, fit, sizes, scheme_settings
-        )
+        schemes = compare_schemes(loaded, opts, runner, fit, sizes, scheme_settings)
         report = dataclasses.replace(
             report, schemes=schemes, fake_runs=runner.runs, fake_steps=runner.steps
         )
@@ -141,75 +136,26 @@ def _memory_model(loaded, opts: PlanOptions):
     return flat_bytes
 
 
-def _measure(runner: Runner, opts: PlanOptions, sizes, total, fit: ReservedFit):
-    """Lines per (checkpointing, measured world size) and the linearity checks;
-    ``total(ws)``: the persistent bytes per rank, which must fit before any step."""
-
-    def persistent_fits(ws: int) -> bool:
-        margin = opts.memory.margin_bytes
-        return headroom.fit(total(ws), fit.outside(ws).total, opts.memory.gpu_memory, margin).fits
-
-    above_one = [ws for ws in sizes if ws > 1]
-    fitting = [ws for ws in above_one if persistent_fits(ws)]
-    ref = min(fitting) if fitting else (max(above_one) if above_one else None)
-    ref2 = max(above_one) if above_one and max(above_one) != ref else None
-    regimes = [ref] if ref is not None else []
-    if 1 in sizes and (ref is None or persistent_fits(1)):
-        regimes.append(1)
-    lines: dict[tuple[str, int], PhaseLine] = {}
-    checks = []
-    points = sorted(set(opts.micro_batches))
-    third = points[2:]
-    runner.prefetch(_runs(opts, regimes, ref2, points))
-    for ck in opts.checkpointing:
-        for ws in regimes:
-            lines[(ck, ws)] = runner.line(ws, ck, opts.micro_batches, ref2 if ws > 1 else None)
-        if third:
-            key = (ck, regimes[0])
-            lines[key], check = runner.check(lines[key], third[-1], points[1])
-            checks.append(check)
-    return lines, tuple(checks)
-
-
-def _runs(opts: PlanOptions, regimes, ref2, points) -> list[Cell]:
-    """The cell of every run ``_measure`` makes."""
-    cells = []
-    for ck in opts.checkpointing:
-        for ws in regimes:
-            cells += [Cell.at(ws, point, ck) for point in points[:2]]
-            if ws > 1 and ref2 is not None:
-                cells.append(Cell.at(ref2, points[0], ck))
-        if points[2:] and regimes:
-            cells.append(Cell.at(regimes[0], points[-1], ck))
-    return cells
-
-
-def _line_for(lines, checkpointing: str, world_size: int) -> PhaseLine:
-    own = lines.get((checkpointing, world_size))
-    if own is not None:
-        return own
-    others = [line for (ck, ws), line in lines.items() if ck == checkpointing and ws > 1]
-    return others[0] if others else lines[(checkpointing, 1)]
-
-
-def _row(cell: Cell, seq_len, m, line: PhaseLine, fit: ReservedFit) -> PlanRow:
-    phase, act, temp = line.at(cell.micro_batch, cell.world_size)
+def _row(cell: Cell, seq_len, m, runner: Runner, fit: ReservedFit) -> PlanRow:
+    """A cell's row: its own step's peak, phase and activations, the memory model's
+    persistent parts at its world size, and the rest (the step's temporaries, less
+    what the model's bytes it did not hold then) as ``temporaries``."""
+    fields = fit.fields(cell)
+    phase = top_phase(runner.figures(cell))[0]
+    act = runner.activations(cell)[phase]
     breakdown = PlanBreakdown(
-        m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act, temp
-    )
-    peak = m.total + act + temp
-    row = PlanRow(
+        m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act,
+        fields["peak_bytes"] - m.total - act,
+    )  # fmt: skip
+    return PlanRow(
         world_size=cell.world_size,
         micro_batch=cell.micro_batch,
         seq_len=seq_len,
         checkpointing=cell.checkpointing,
-        peak_bytes=peak,
         breakdown=breakdown,
         peak_phase=phase,
-        measured=cell.world_size in line.world_sizes,
-        **fit.fields(cell, peak),
+        **fields,
     )
-    return with_own_run(row, fit)
 
 
 def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
@@ -223,17 +169,7 @@ def _fit_note(opts: PlanOptions, fit: ReservedFit) -> str:
         f"fits: reserved peak (the step's allocations replayed through the CUDA caching "
         f"allocator's model, settings: {fit.alloc_conf}) + the memory beside "
         f"the allocator ({beside}) <= GPU memory; best keeps a margin of "
-        f"{opts.memory.margin_bytes} B free; cells without a run of their own carry the "
-        "fragmentation of the runs at the nearest micro-batch; the best and the advised cells "
-        "are replayed from their own runs"
-    )
-
-
-def _reserved_note(c) -> str:
-    return (
-        f"reserved check ({c.checkpointing}, world size {c.world_size}, micro-batch "
-        f"{c.micro_batch}, {c.alloc_conf}): carried {c.carried_bytes} B, replayed from its "
-        f"own run {c.replayed_bytes} B, {100 * c.error:.2f}% apart"
+        f"{opts.memory.margin_bytes} B free; every cell replayed from its own run"
     )
 
 
@@ -293,9 +229,7 @@ def _best_and_advice(rows, opts: PlanOptions) -> tuple[PlanRow | None, PlanAdvic
     return best, PlanAdvice(other.fits_with.alloc_conf, other.fits_with.export, other)
 
 
-def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> PlanReport:
-    runs = runner.runs
-    measured = sorted({ws for line in lines.values() for ws in line.world_sizes})
+def _report(loaded, opts, seq_len, rows, runner, start, fit) -> PlanReport:
     cfg = opts.memory_config()
     best, advice = _best_and_advice(rows, opts)
     return PlanReport(
@@ -314,33 +248,26 @@ def _report(loaded, opts, seq_len, rows, runner, lines, checks, start, fit) -> P
         rows=tuple(rows),
         smallest=smallest_fitting(rows),
         best=best,
-        fake_runs=runs,
+        fake_runs=runner.runs,
         fake_steps=runner.steps,
-        linearity=checks,
         wall_s=time.perf_counter() - start,
-        notes=_notes(opts, measured, (runs, runner.steps), checks, runner.jobs, fit),
+        notes=(*_notes(opts, runner, fit), *monotonicity(rows)),
         alloc_conf=fit.alloc_conf,
         margin_bytes=opts.memory.margin_bytes,
         advice=advice,
-        reserved_checks=(),
     )
 
 
-def _notes(opts: PlanOptions, measured, counts, checks, jobs: int, fit) -> tuple[str, ...]:
-    where = ", ".join(map(str, measured))
-    runs, steps = counts
-    notes = [
+def _notes(opts: PlanOptions, runner: Runner, fit) -> tuple[str, ...]:
+    return (
         "peak per rank = the memory model's persistent bytes at each world size (flat "
         "scheme: shards, master weights, buffers, 2 all-gather and 2 gradient buffers of "
-        "the largest unit) + activations and temporaries of the converted model's step "
-        f"measured under FakeTensorMode at world sizes {where}",
-        f"{runs} fake runs ({jobs} at a time, --jobs) from {steps} fake steps: activations "
-        "grow linearly with micro-batch x sequence, so two micro-batches are measured per "
-        "checkpointing choice and the line gives the others; "
-        "one run at a second world size gives the part that scales with 1/world size "
-        "(unreduced gradients at the peak, optimizer temporaries); runs above world size 1 "
-        "with the same micro-batch and checkpointing are one fake step, its shard-sized "
-        "allocations resized to each world size",
+        "the largest unit) + activations and temporaries of the converted model's step at "
+        "the cell, measured under FakeTensorMode",
+        f"{runner.runs} fake runs, one per cell ({runner.jobs} at a time, --jobs), from "
+        f"{runner.steps} fake steps: above world size 1, one step per micro-batch and "
+        "checkpointing, its shard-sized allocations resized to each world size (the events "
+        "a step run there records); at world size 1, a step per cell",
         _fit_note(opts, fit),
         "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
         "(transformers' own activation_checkpointing_enable where the model has it)",
@@ -350,12 +277,49 @@ def _notes(opts: PlanOptions, measured, counts, checks, jobs: int, fit) -> tuple
             if opts.step.target == "cuda"
             else ""
         ),
-    ]
-    second = sorted(set(opts.micro_batches))[1] if len(set(opts.micro_batches)) > 1 else 0
-    for c in checks:
-        notes.append(
-            f"linearity check ({c.checkpointing}, world size {c.world_size}, micro-batch "
-            f"{c.micro_batch}): line {c.predicted_bytes} B, measured {c.measured_bytes} B, "
-            f"{100 * c.error:.2f}% apart; micro-batches above {second} use the chord to it"
-        )
+    )
+
+
+def monotonicity(rows) -> tuple[str, ...]:
+    """A note for each pair of neighbouring cells where more micro-batch needs less
+    memory, or more GPUs more, naming which of the cells' parts moved: the step's
+    peak phase, its allocated peak, the caching allocator's fragmentation, the
+    memory beside the allocator (NCCL's buffers grow with the world size)."""
+    at = {r.cell: r for r in rows}
+    notes = []
+    for r in rows:
+        mbs = sorted(m for (m, c) in {x.cell.choice for x in rows} if c == r.checkpointing)
+        smaller_mb = [m for m in mbs if m < r.micro_batch]
+        if smaller_mb:
+            prev = at.get(Cell.at(r.world_size, smaller_mb[-1], r.checkpointing))
+            if prev is not None and r.needed_bytes < prev.needed_bytes:
+                notes.append(_not_monotone(prev, r, "micro-batch"))
+        sizes = sorted({x.world_size for x in rows if x.world_size < r.world_size})
+        if sizes:
+            prev = at.get(Cell.at(sizes[-1], r.micro_batch, r.checkpointing))
+            if prev is not None and r.needed_bytes > prev.needed_bytes:
+                notes.append(_not_monotone(prev, r, "world size"))
     return tuple(notes)
+
+
+def _not_monotone(a: PlanRow, b: PlanRow, axis: str) -> str:
+    """Why ``b`` (one step up ``axis`` from ``a``) needs less, or more, than ``a``."""
+    more = "less" if axis == "micro-batch" else "more"
+    why = []
+    if a.peak_phase != b.peak_phase:
+        why.append(f"the peak moved from the {a.peak_phase} to the {b.peak_phase}")
+    parts = (
+        ("allocated peak", a.peak_bytes, b.peak_bytes),
+        ("fragmentation", a.fragmentation_bytes, b.fragmentation_bytes),
+        ("beside the allocator", sum(p.bytes for p in a.outside), sum(p.bytes for p in b.outside)),
+    )
+    why += [f"{name} {_signed(y - x)}" for name, x, y in parts if x != y]
+    return (
+        f"not monotone ({a.checkpointing}): world size {b.world_size} micro-batch "
+        f"{b.micro_batch} needs {more} than world size {a.world_size} micro-batch "
+        f"{a.micro_batch} ({b.needed_bytes} B against {a.needed_bytes} B): " + "; ".join(why)
+    )
+
+
+def _signed(n: int) -> str:
+    return f"{'+' if n >= 0 else '-'}{abs(n)} B"

@@ -59,11 +59,9 @@ class PlanRow:
     breakdown: PlanBreakdown
     peak_phase: str  # forward | backward | optimizer
     fits: bool  # needed_bytes <= GPU memory, under the plan's allocator setting
-    measured: bool  # False: extrapolated from the measured world size
     reserved_bytes: int  # the caching allocator's predicted reserved peak
     fragmentation_bytes: int  # reserved_bytes - peak_bytes
     outside: tuple[OutsidePart, ...]  # held beside the allocator: context, workspaces, NCCL
-    reserved_replayed: bool  # True: from this cell's own fake step; False: carried
     fits_with: AllocAdvice | None  # when it fits only under another allocator setting
     time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
     # the verdict under the plan's allocator setting (``memory.headroom.fit``): ``fits``
@@ -80,36 +78,6 @@ class Smallest:
     micro_batch: int
     checkpointing: str
     world_size: int | None  # None: no world size of the grid fits
-
-
-@dataclass(frozen=True, slots=True)
-class LinearityCheck:
-    checkpointing: str
-    world_size: int
-    micro_batch: int
-    predicted_bytes: int
-    measured_bytes: int
-
-    @property
-    def error(self) -> float:
-        return abs(self.predicted_bytes - self.measured_bytes) / max(self.measured_bytes, 1)
-
-
-@dataclass(frozen=True, slots=True)
-class ReservedCheck:
-    """A cell whose reserved peak was carried from another run, then replayed from its
-    own fake step (the cells the plan's answer rests on)."""
-
-    world_size: int
-    micro_batch: int
-    checkpointing: str
-    alloc_conf: str
-    carried_bytes: int
-    replayed_bytes: int
-
-    @property
-    def error(self) -> float:
-        return abs(self.carried_bytes - self.replayed_bytes) / max(self.replayed_bytes, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,15 +107,13 @@ class PlanReport:
     rows: tuple[PlanRow, ...]
     smallest: tuple[Smallest, ...]
     best: PlanRow | None
-    fake_runs: int  # the (world size, micro-batch, checkpointing) runs the plan has
+    fake_runs: int  # the cells measured, each its own step's figures
     fake_steps: int  # the fake steps they took: above world size 1, one per micro-batch
-    linearity: tuple[LinearityCheck, ...]
     wall_s: float
     notes: tuple[str, ...]
     alloc_conf: str | None  # the allocator setting the rows fit under; None: --target cpu
     margin_bytes: int  # what the best row keeps free
     advice: PlanAdvice | None
-    reserved_checks: tuple[ReservedCheck, ...]
     source_path: str | None = None  # what was given, so `check` can plan it again
     model: str | None = None
     options: PlanOptions | None = None

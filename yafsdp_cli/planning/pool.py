@@ -1,15 +1,18 @@
 """A plan's fake runs on several cores at once.
 
-Each fake run is one converted step under FakeTensorMode: seconds of Python per
-op, one core each, independent of the others. ``run_steps`` runs them in this
-process and, with ``jobs`` above 1, in ``jobs - 1`` worker processes besides
-(``spawn``: a fresh interpreter, never a fork of a process that holds torch's
-thread pools). A worker loads the source itself, from what the user gave (path,
-``--model``, ``--trust-pickle``), so only the run's cell (``cell.Cell``) and its phase peaks cross
-the pipe. Runs are taken from one queue, the dearest first by the workers and the
-cheapest first by this process, so the cores stay busy to the end. A fake step's
-figures do not depend on where it runs, so the plan is the same for any ``jobs``
-(``tests/planning/test_plan.py`` checks it).
+Each job is one or a few fake steps under FakeTensorMode (``measure.Job``: a
+converted step and its figures at some world sizes; ``cell_time.Count``: the
+kernels of a step): seconds of Python per op, one core each, independent of the
+others. ``run_steps`` runs them in this process and, with ``jobs`` above 1, in
+``jobs - 1`` worker processes besides (``spawn``: a fresh interpreter, never a fork
+of a process that holds torch's thread pools). A worker loads the source itself,
+from what the user gave (path, ``--model``, ``--trust-pickle``), so only the job (a
+small frozen value with a ``run(loaded, opts, seq_len)`` method) and its figures
+cross the pipe. The jobs of a plan run in one pool: the memory steps and the
+kernel counts together, so the workers start once. Jobs are taken from one queue,
+the dearest first by the workers and the cheapest first by this process, so the
+cores stay busy to the end. A fake step's figures do not depend on where it runs,
+so the plan is the same for any ``jobs`` (``tests/planning/test_plan.py`` checks it).
 
 The number of jobs, unless given: 1 for a model of fewer than ``PARALLEL_MODULES``
 modules, whose fake runs take less than a worker takes to start (importing torch and
@@ -56,17 +59,27 @@ def auto_jobs(runs: int, modules: int) -> int:
     return max(1, min(cores or 1, runs, by_memory))
 
 
-def run_cells(wanted, local, measure, *, loaded, opts, seq_len, origin):
-    """``run_steps`` for a plan's cells: ``--jobs`` processes, or as many as
-    ``auto_jobs`` allows for the model; returns the figures and the job count."""
+def run_jobs(wanted, *, loaded, opts, seq_len, origin):
+    """``run_steps`` for a plan's jobs: ``--jobs`` processes, or as many as
+    ``auto_jobs`` allows for the model; returns each job's result and the number of
+    processes that ran them."""
     jobs = opts.jobs
     if jobs is None:
         modules = sum(1 for _ in loaded.module.modules()) if loaded.module else 0
         jobs = auto_jobs(len(wanted), modules)
     found = run_steps(
-        wanted, local, jobs=jobs, origin=origin, measure=measure, worker_args=(opts, seq_len)
+        wanted,
+        lambda job: job.run(loaded, opts, seq_len),
+        jobs=jobs,
+        origin=origin,
+        measure=_job,
+        worker_args=(opts, seq_len),
     )
-    return found, jobs
+    return found, max(1, min(jobs, len(wanted))) if origin is not None else 1
+
+
+def _job(loaded, opts, seq_len, job):
+    return job.run(loaded, opts, seq_len)
 
 
 def run_steps(
@@ -136,9 +149,10 @@ def _pool(processes: int, initargs: tuple):
             signal.signal(signal.SIGINT, before)
 
 
-def _cost(cell: Cell) -> tuple[bool, int]:
-    """Checkpointed runs recompute the forward; more micro-batch is more tokens."""
-    return cell.checkpointing != "none", cell.micro_batch
+def _cost(key) -> tuple[bool, int]:
+    """Checkpointed runs recompute the forward; more micro-batch is more tokens (of a
+    ``Cell`` or a job of one)."""
+    return key.checkpointing != "none", key.micro_batch
 
 
 _WORKER: dict[str, Any] = {}

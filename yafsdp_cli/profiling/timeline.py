@@ -109,6 +109,35 @@ class StepEvents:
         made = self._made_at(state.peak_event, cats)
         return replace(timeline, peak_by_module=made)
 
+    def phase_peaks(self) -> tuple[dict[str, int], dict[str, Breakdown]]:
+        """``replay``'s ``phase_peaks`` and ``phase_breakdowns`` alone, in one lean
+        pass: a plan takes them for every cell of its grid."""
+        index = {c: k for k, c in enumerate(CATEGORIES)}
+        cats = [index[self.category(i)] for i in range(len(self.roles))]
+        sums = [0] * len(CATEGORIES)
+        total, phase = 0, "setup"
+        peaks: dict[str, int] = {}
+        at: dict[str, tuple[int, ...]] = {}
+        for ev in self.events:
+            kind = ev[0]
+            if kind == SIZE:
+                delta = ev[2]
+                sums[cats[ev[1]]] += delta
+                total += delta
+                if delta <= 0 or total <= peaks.get(phase, -1):
+                    continue
+            elif kind == PHASE:
+                phase = ev[1]
+                if total <= peaks.get(phase, -1):
+                    continue
+            else:
+                continue
+            peaks[phase], at[phase] = total, tuple(sums)
+        return (
+            {p: v for p, v in peaks.items() if p in PHASES},
+            {p: Breakdown(*at[p]) for p in peaks if p in PHASES},
+        )
+
     def alloc_trace(self) -> AllocTrace:
         """The step's allocations and frees as the caching allocator sees them, in
         order: a block's first bytes allocate it, its last free it, and a resize in

