@@ -59,3 +59,37 @@ def test_a_row_gives_its_cell():
     zero = PlanBreakdown(*[0] * 9)
     row = PlanRow(4, 2, 64, "reentrant", 1, 1, zero, "backward", True, 1, 0, (), None)
     assert row.cell == Cell.at(4, 2, "reentrant")
+
+
+def _row(ws: int, mb: int, needed: int, phase: str, frag: int, outside: int) -> PlanRow:
+    from yafsdp_cli.memory.outside_allocator import OutsidePart
+
+    zero = PlanBreakdown(*[0] * 9)
+    parts = (OutsidePart("NCCL", outside, "test"),)
+    peak = needed - frag - outside
+    return PlanRow(ws, mb, 64, "none", peak, needed, zero, phase, True, peak + frag, frag, parts, None)
+
+
+def test_a_grid_that_is_not_monotone_says_which_part_moved():
+    from yafsdp_cli.planning.fit_grid import monotonicity
+
+    rows = [
+        _row(1, 1, 1000, "optimizer", 300, 100),
+        _row(1, 2, 900, "backward", 100, 100),  # less for more micro-batch
+        _row(2, 1, 1100, "optimizer", 300, 250),  # more for more GPUs: NCCL grew
+        _row(2, 2, 800, "backward", 100, 150),
+    ]
+    notes = monotonicity(rows)
+    assert notes == (
+        "not monotone (none): world size 1 micro-batch 2 needs less than world size 1 "
+        "micro-batch 1 (900 B against 1000 B): the peak moved from the optimizer to the "
+        "backward; allocated peak +100 B; fragmentation -200 B",
+        "not monotone (none): world size 2 micro-batch 1 needs more than world size 1 "
+        "micro-batch 1 (1100 B against 1000 B): allocated peak -50 B; beside the "
+        "allocator +150 B",
+        "not monotone (none): world size 2 micro-batch 2 needs less than world size 2 "
+        "micro-batch 1 (800 B against 1100 B): the peak moved from the optimizer to the "
+        "backward; fragmentation -200 B; beside the allocator -100 B",
+    )
+    steady = [_row(1, 1, 900, "backward", 0, 0), _row(1, 2, 1000, "backward", 0, 0)]
+    assert monotonicity(steady + [_row(2, 1, 800, "backward", 0, 0)]) == ()

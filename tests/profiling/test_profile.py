@@ -194,3 +194,26 @@ def test_unwritten_gradient_regions_read_as_zeros():
     assert not flat.grad("net.0.weight").any() and not flat.grad("net.0.bias").any()
     assert flat.grad("net.4.weight").abs().sum() > 0
     flat.check_padding()  # raises if padding of the gradient is not zero
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"world_size": 4, "target": "cuda", "checkpointing": "non-reentrant"},
+        {"world_size": 2, "checkpointing": "reentrant", "param_dtype": "bf16"},
+    ],
+)
+def test_phase_peaks_alone_equal_the_replays(sample_name, kw):
+    """The lean pass a plan takes per cell gives the full replay's phase peaks and
+    breakdowns."""
+    from yafsdp_cli.profiling.profiler import profile_converted
+
+    if sample_name in ("mlp", "cnn") and "checkpointing" in kw:
+        pytest.skip("no repeated blocks to checkpoint")
+    steps: dict = {}
+    profile_converted(loaded(sample_name), options(ProfileOptions, fake=True, **kw), steps=steps)
+    events = steps["converted"].events
+    timeline = events.replay()
+    assert events.phase_peaks() == (timeline.phase_peaks, timeline.phase_breakdowns)
+    assert set(timeline.phase_peaks) == {"forward", "backward", "optimizer"}
