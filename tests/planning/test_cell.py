@@ -67,7 +67,8 @@ def _row(ws: int, mb: int, needed: int, phase: str, frag: int, outside: int) -> 
     zero = PlanBreakdown(*[0] * 9)
     parts = (OutsidePart("NCCL", outside, "test"),)
     peak = needed - frag - outside
-    return PlanRow(ws, mb, 64, "none", peak, needed, zero, phase, True, peak + frag, frag, parts, None)
+    reserved = peak + frag
+    return PlanRow(ws, mb, 64, "none", peak, needed, zero, phase, True, reserved, frag, parts, None)
 
 
 def test_a_grid_that_is_not_monotone_says_which_part_moved():
