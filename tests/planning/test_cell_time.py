@@ -102,9 +102,7 @@ def row(ws: int, mb: int, tokens_per_s: float, fits: bool = True, ck: str = "non
     est = StepEstimate("test", "yafsdp", ws, mb * 100, 0, 0, 0, 0, 0, mb * 100 / tokens_per_s,
                        tokens_per_s, 0.4, 0, 0)  # fmt: skip
     zero = PlanBreakdown(*[0] * 9)
-    return PlanRow(
-        ws, mb, 100, ck, 1, 1, zero, "backward", fits, 1, 0, (), None, time=est
-    )
+    return PlanRow(ws, mb, 100, ck, 1, 1, zero, "backward", fits, 1, 0, (), None, time=est)
 
 
 ROWS = [
