@@ -173,3 +173,11 @@ def test_profile_cli_progress_goes_to_stderr_and_never_under_json(monkeypatch, j
         assert out.getvalue() == ""
     else:
         assert "profile: " in out.getvalue()
+
+
+def test_a_headers_own_line_break_is_kept_and_a_files_control_characters_escaped():
+    from yafsdp_cli.report.formatting import Section, printable_section
+
+    s = printable_section(Section("t\x1b[2J", ("micro-\nbatch", "x\x1b"), (("a\nb", "c"),)))
+    assert s.headers == ("micro-\nbatch", "x\\x1b")
+    assert s.title == "t\\x1b[2J" and s.rows == (("a\\nb", "c"),)

@@ -146,11 +146,12 @@ class Section:
 
 def printable_section(s: Section) -> Section:
     """``s`` with every text escaped for a terminal (``errors.printable``): tensor and
-    module names come from the files a report reads."""
+    module names come from the files a report reads. A header's own line breaks (a
+    narrow column's heading on two lines) are kept."""
     return dataclasses.replace(
         s,
         title=printable(s.title),
-        headers=tuple(printable(h) for h in s.headers),
+        headers=tuple("\n".join(map(printable, h.split("\n"))) for h in s.headers),
         rows=tuple(tuple(printable(c) for c in row) for row in s.rows),
         caption=printable(s.caption),
     )
