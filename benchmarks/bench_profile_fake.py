@@ -48,9 +48,9 @@ LLAMA2_70B = {
 }
 
 
-def write_config(folder: Path) -> Path:
+def write_config(folder: Path, config: dict = LLAMA2_70B) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA2_70B, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 

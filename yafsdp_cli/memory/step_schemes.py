@@ -12,8 +12,8 @@ Nothing communicates at world size 1, so no scheme has transients there.
 [Note: what each scheme holds at each phase's peak]
 A scheme's peak is the highest phase of what it holds then plus the step's own bytes
 then (``Scheme.phase_peak``). The step's own bytes come from a fake run of the flat
-model (the reference step: the plan's line at the world size, or at world size 1 for
-the schemes that compute on whole parameters), as ``StepAt``: its activations and
+model (the reference step: the plan's cell itself, or the cell's micro-batch at world
+size 1 for the schemes that compute on whole parameters), as ``StepAt``: its activations and
 temporaries beyond the model's bytes, plus what of those bytes it did not hold at that
 moment (gather and gradient buffers not in use, gradients not yet made), so that its
 own bytes stand free of the flat model's buffers. At world sizes above 1 the flat
@@ -164,7 +164,7 @@ def _zero3(layout, cfg, zero: ZeroConfig, report, tensors, scheme: Scheme) -> Me
 
 @dataclass(frozen=True, slots=True)
 class StepAt:
-    """The reference step (a fake run's line) at one phase's peak: its activations,
+    """The reference step (the flat model's fake step) at one phase's peak: its activations,
     its temporaries beyond the model's bytes there, what of those model bytes it did
     not hold then (buffers not in use, gradients not yet made), and the gradients it
     held."""

@@ -34,8 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cell import Cell
-
 PARALLEL_MODULES = 200
 
 
@@ -83,24 +81,24 @@ def _job(loaded, opts, seq_len, job):
 
 
 def run_steps(
-    cells: Sequence[Cell],
-    local: Callable[[Cell], dict[str, int]],
+    cells: Sequence,
+    local: Callable[[Any], Any],
     *,
     jobs: int,
     origin: Origin | None,
-    measure: Callable[..., dict[str, int]],
+    measure: Callable[..., Any],
     worker_args: tuple[Any, ...],
-) -> dict[Cell, dict[str, int]]:
-    """The phase peaks of every cell's fake run: ``local(cell)`` here, and in workers
-    ``measure(loaded, *worker_args, cell)`` (a module-level function: it is pickled by
-    name) on the source they load. Without an ``origin`` (a module built in this
-    process only) every run is local."""
+) -> dict[Any, Any]:
+    """The result of every job (a ``Cell`` or a job of one): ``local(job)`` here, and
+    in workers ``measure(loaded, *worker_args, job)`` (a module-level function: it is
+    pickled by name) on the source they load. Without an ``origin`` (a module built in
+    this process only) every job runs here."""
     order = sorted(dict.fromkeys(cells), key=_cost, reverse=True)
     jobs = max(1, min(jobs, len(order)))
     if jobs == 1 or origin is None:
         return {cell: local(cell) for cell in order}
     queue = deque(order)
-    results: dict[Cell, dict[str, int]] = {}
+    results: dict[Any, Any] = {}
     failures: list[BaseException] = []
     with _pool(jobs - 1, (origin, measure, *worker_args)) as pool:
 
@@ -165,6 +163,6 @@ def _init(origin: Origin, measure: Callable, *args: Any) -> None:
     _WORKER["run"] = (measure, loaded, args)
 
 
-def _run(cell: Cell) -> dict[str, int]:
+def _run(cell) -> Any:
     measure, loaded, args = _WORKER["run"]
     return measure(loaded, *args, cell)
