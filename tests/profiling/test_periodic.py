@@ -247,3 +247,22 @@ def test_a_factory_model_is_repeated_and_exact():
 )
 def test_period_of_signatures(pattern, expected):
     assert _period(list(pattern)) == expected
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "mixtral", "bert"])
+@pytest.mark.parametrize("step", [{}, {"checkpointing": "reentrant", "world_size": 2}])
+def test_the_test_architectures_deepened_are_repeated_exactly(tmp_path, name, step):
+    """The Hugging Face models of the tests, 10 layers deep so that a period is worth
+    repeating: the repeated step equals the whole trace. T5's two stacks (an encoder
+    and a decoder) are not cut together: its check finds the step not periodic, and
+    it is traced whole."""
+    from hf_models import tiny_config
+
+    config = tiny_config(name)
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
+        if getattr(config, key, None) == 2:
+            setattr(config, key, 10)
+    periodic, whole = _both(_folder(tmp_path, config), **step)
+    _assert_same(periodic, whole)
+    how = periodic[0].trace
+    assert how.periodic == (name != "t5"), how.why
