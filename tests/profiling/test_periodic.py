@@ -6,9 +6,7 @@ traced and the report says why."""
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers import options
-from torch import nn
 
 from yafsdp_cli.memory.caching_allocator import reserved_of
 from yafsdp_cli.options import LayoutOptions, StepOptions
@@ -171,38 +169,6 @@ def test_dense_first_layers_are_a_prefix(tmp_path, step):
     _assert_same(periodic, whole)
 
 
-class _Layer(nn.Module):
-    def __init__(self, index: int, odd: int):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.layer_idx = index  # a place, not a setting: the signature ignores it
-        self.odd = odd
-
-    def forward(self, x):
-        y = self.lin(x)
-        if self.layer_idx == self.odd:  # one layer saves more for backward
-            y = y * torch.sigmoid(y)
-        return torch.relu(y) + x
-
-
-class _Stack(nn.Module):
-    def __init__(self, odd: int):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(_Layer(i, odd) for i in range(12))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def odd_at_3():
-    return _Stack(odd=3)
-
-
 def _both_module(factory):
     out = []
     for periodic in (True, False):
@@ -213,7 +179,7 @@ def _both_module(factory):
 
 def test_a_planted_layer_that_differs_is_traced_whole():
     # layer 3 is inside the checked depth (4): the check sees it differ
-    periodic, whole = _both_module("test_periodic:odd_at_3")
+    periodic, whole = _both_module("stack_models:odd_at_3")
     how = periodic.trace
     assert not how.periodic
     assert "is not the traced step of 4" in how.why
@@ -222,12 +188,8 @@ def test_a_planted_layer_that_differs_is_traced_whole():
     assert periodic.original.peak == whole.original.peak
 
 
-def regular():
-    return _Stack(odd=-1)
-
-
 def test_a_factory_model_is_repeated_and_exact():
-    periodic, whole = _both_module("test_periodic:regular")
+    periodic, whole = _both_module("stack_models:regular")
     assert periodic.trace.periodic, periodic.trace.why
     for v in ("original", "converted_step"):
         assert getattr(periodic, v).peak == getattr(whole, v).peak

@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 from helpers import options
-from torch import nn
 
 from yafsdp_cli.options import StepOptions
 from yafsdp_cli.profiling import ProfileOptions
@@ -105,53 +103,13 @@ def test_dense_first_layers_are_a_prefix(tmp_path):
     assert costs.counted.startswith("5, 6, 7 of 24 layers")
 
 
-class _Layer(nn.Module):
-    def __init__(self, index: int, odd: int):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.layer_idx = index  # a place, not a setting: the stack's signature ignores it
-        self.odd = odd
-
-    def forward(self, x):
-        y = self.lin(x)
-        if self.layer_idx == self.odd:  # one layer runs one more kernel
-            y = y * torch.sigmoid(y)
-        return torch.relu(y) + x
-
-
-class _Stack(nn.Module):
-    def __init__(self, odd: int):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(_Layer(i, odd) for i in range(16))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def odd_at_3():
-    return _Stack(odd=3)
-
-
-def odd_at_4():
-    return _Stack(odd=4)
-
-
-def odd_at_11():
-    return _Stack(odd=11)
-
-
 @pytest.mark.parametrize("odd", [3, 4, 11])
 def test_a_planted_layer_that_differs_is_counted_whole(odd):
     """Layer 3 is in the second and third counts, layer 4 in the third alone: either
     way the written third count is not the counted one. Layer 11 is in none of them:
     the one blind spot, a layer like the others in every parameter and setting that
     runs other kernels past the depths counted."""
-    loaded = load_source(None, model=f"test_periodic_costs:odd_at_{odd}")
+    loaded = load_source(None, model=f"stack_models:deep_odd_at_{odd}")
     periodic, whole = _counts(loaded, batch=2)
     if odd == 11:
         assert periodic.counted.endswith("checked")

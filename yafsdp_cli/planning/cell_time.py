@@ -134,14 +134,6 @@ class Count:
 
     cell: Cell
 
-    @property
-    def micro_batch(self) -> int:
-        return self.cell.micro_batch
-
-    @property
-    def checkpointing(self) -> str:
-        return self.cell.checkpointing
-
     def run(self, loaded, opts: PlanOptions, seq_len: int) -> StepCosts:
         return count_cell(loaded, opts, seq_len, self.cell)
 

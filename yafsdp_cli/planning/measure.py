@@ -49,14 +49,6 @@ class Job:
     cell: Cell
     world_sizes: tuple[int, ...]
 
-    @property
-    def micro_batch(self) -> int:
-        return self.cell.micro_batch
-
-    @property
-    def checkpointing(self) -> str:
-        return self.cell.checkpointing
-
     def cells(self) -> list[Cell]:
         mb, ck = self.cell.choice
         return [Cell.at(ws, mb, ck) for ws in self.world_sizes]

@@ -149,8 +149,9 @@ def _pool(processes: int, initargs: tuple):
 
 def _cost(key) -> tuple[bool, int]:
     """Checkpointed runs recompute the forward; more micro-batch is more tokens (of a
-    ``Cell`` or a job of one)."""
-    return key.checkpointing != "none", key.micro_batch
+    ``Cell``, or of a job's ``cell``)."""
+    cell = getattr(key, "cell", key)
+    return cell.checkpointing != "none", cell.micro_batch
 
 
 _WORKER: dict[str, Any] = {}
