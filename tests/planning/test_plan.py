@@ -292,3 +292,37 @@ def test_the_default_grid_runs_on_past_cells_inside_the_margin():
     assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2, 4]
     opts.memory.margin_bytes = 0  # then 2 GPUs, where everything fits, are enough
     assert sorted({r.world_size for r in _up_to_enough(rows(), opts)}) == [1, 2]
+
+
+def test_a_sequence_past_the_models_positions_is_said_first(tmp_path):
+    """A rotary model runs past its config's positions: the answer's assumed line
+    says the plan's sequence is longer than the model was trained at, and the JSON
+    carries the limit; at or under it, nothing is said. A learned table refuses."""
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    from yafsdp_cli.report import plan_view
+
+    config = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=32)  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    base = dict(gpu_memory=2**30, reserve=0, world_sizes=(1,), micro_batches=(1,), jobs=1)
+    for seq, said in ((64, True), (32, False)):
+        report = plan_model(
+            load_source(tmp_path / "llama"), options(PlanOptions, **base, seq_len=seq)
+        )
+        assumed = plan_view.answer(report)[-1]
+        past = "past the 32 positions the model was trained at, config max_position_embeddings"
+        assert (past in assumed) == said, assumed
+        doc = json.loads(plan_view.to_json(report))
+        jsonschema.validate(doc, SCHEMA)
+        want = {"key": "max_position_embeddings", "positions": 32} if said else None
+        assert doc["past_positions"] == want
+    tf.GPT2Config(vocab_size=96, n_layer=2, n_embd=32, n_head=4, n_positions=16).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    args = ["--gpu-memory", "1GiB", "--seq-len", "64", "--world-size", "1", "--micro-batch", "1"]
+    result = runner.invoke(app, ["plan", str(tmp_path / "gpt2"), *args])
+    assert result.exit_code == 2
+    assert "--seq-len 64 is longer than GPT2LMHeadModel takes: 16 positions" in result.output

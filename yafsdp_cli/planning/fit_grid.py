@@ -22,6 +22,7 @@ from ..engine.plan import plan
 from ..engine.records import retype_params
 from ..memory import estimate_memory
 from ..mesh import Mesh
+from ..profiling.positions import position_limit
 from ..schemes import FLAT
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
@@ -29,7 +30,14 @@ from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
 from .measure import Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
-from .plan_report import PlanAdvice, PlanBreakdown, PlanReport, PlanRow, Smallest
+from .plan_report import (
+    PastPositions,
+    PlanAdvice,
+    PlanBreakdown,
+    PlanReport,
+    PlanRow,
+    Smallest,
+)
 from .pool import Origin, run_jobs
 from .reserved_fit import ReservedFit, advised, keeping_margin, top_phase
 from .scheme_peaks import compare_schemes
@@ -94,7 +102,22 @@ def plan_model(
         )
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     brief = getattr(loaded, "tuning_brief", ())
-    return dataclasses.replace(report, notes=(*dropped, *tuning, *report.notes), tuning=brief)
+    return dataclasses.replace(
+        report,
+        notes=(*dropped, *tuning, *report.notes),
+        tuning=brief,
+        past_positions=_past_positions(loaded.module, seq_len),
+    )
+
+
+def _past_positions(module, seq_len: int) -> PastPositions | None:
+    """The config's position limit where ``seq_len`` is past it. A learned position
+    table fails the step first (``profiling.positions``); what runs this far has
+    rotary positions, whose limit is the length the model was trained at."""
+    limit = position_limit(module)
+    if limit is None or seq_len <= limit[1]:
+        return None
+    return PastPositions(*limit)
 
 
 def context_length(module) -> int:

@@ -81,6 +81,15 @@ class Smallest:
 
 
 @dataclass(frozen=True, slots=True)
+class PastPositions:
+    """The position limit a model's config states, where the plan's sequence is
+    longer: a rotary model runs past it, but was trained only that long."""
+
+    key: str  # the config key (``max_position_embeddings``)
+    positions: int
+
+
+@dataclass(frozen=True, slots=True)
 class PlanAdvice:
     """A configuration better than the best (more tokens per rank, or any when nothing
     fits) that fits only under another allocator setting."""
@@ -122,6 +131,7 @@ class PlanReport:
     # a fine-tuning step's LoRA, quantized base and frozen parameters, in a few words
     # each (``sources.adapted``); () for a full fine-tune
     tuning: tuple[str, ...] = ()
+    past_positions: PastPositions | None = None  # where seq_len is past the config's limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,8 +146,14 @@ def answer(report: PlanReport) -> list[str]:
             f"{human_bytes(a.fits_with.needed_bytes)})"
         )
     alloc = report.alloc_conf or "none (--target cpu)"
+    past = report.past_positions
+    beyond = (
+        f" (past the {past.positions} positions the model was trained at, config {past.key})"
+        if past is not None
+        else ""
+    )
     lines.append(
-        f"assumed: {report.seq_len} tokens per sequence, {report.param_dtype} parameters "
+        f"assumed: {report.seq_len} tokens per sequence{beyond}, {report.param_dtype} parameters "
         f"(--param-dtype), {report.optimizer}, allocator settings {alloc}, flat scheme"
         + "".join(f", {t}" for t in report.tuning)
     )
