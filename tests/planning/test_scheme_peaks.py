@@ -278,3 +278,17 @@ def test_plan_unknown_scheme_is_one_line_exit_2():
     result = _plan("--scheme", "flat,megatron")
     assert result.exit_code == 2, result.output
     assert "unknown scheme megatron" in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("gpu", [None, "h100-sxm"])
+def test_the_schemes_table_says_what_its_best_rows_rank_by(gpu):
+    """The schemes table's best configuration is the most tokens per rank; where the
+    answer above ranks by speed on a named GPU, the caption says the two differ."""
+    args = ["plan", "--model", "sample_models.models:gpt", "--seq-len", "64", "--world-size",
+            "1,2", "--micro-batch", "1,2", "--scheme", "all", "--reserve", "0"]  # fmt: skip
+    args += ["--gpu", gpu] if gpu else ["--gpu-memory", "80GiB"]
+    result = runner.invoke(app, args, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "best configuration: the most tokens per rank that fits so, then no" in text
+    assert ("the answer above ranks by throughput on H100-SXM instead" in text) == bool(gpu)

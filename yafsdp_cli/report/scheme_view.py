@@ -94,8 +94,17 @@ def _caption(report: PlanReport) -> str:
         "scheme needs more); needed: the peak + the caching allocator's fragmentation (the "
         "flat step's replay at that cell) + what a rank holds beside the allocator; fits: "
         f"needed <= {human_bytes(report.gpu_memory_bytes)}, the best keeping "
-        f"{human_bytes(report.margin_bytes)} free"
+        f"{human_bytes(report.margin_bytes)} free; best configuration: the most tokens per "
+        "rank that fits so, then no checkpointing, then the fewest GPUs" + _ranked_apart(report)
     )
+
+
+def _ranked_apart(report: PlanReport) -> str:
+    """Where the answer ranks by speed, that the table's best rows do not."""
+    t = report.timing
+    if t is None:
+        return ""
+    return f"; the answer above ranks by {t.objective} on {t.gpu} instead"
 
 
 def to_markdown(report: PlanReport) -> list[str]:
