@@ -42,3 +42,28 @@ def tiny_config(name: str):
 def tiny_model(name: str):
     """A freshly initialised model (seed it first)."""
     return getattr(tf, CLASSES[name])(tiny_config(name))
+
+
+def deepseek_v3_shape(layers: int):
+    """DeepSeek-V3's shape, tiny: multi-head latent attention, shared and routed
+    experts, and two dense layers first (``first_k_dense_replace``)."""
+    return tf.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    )

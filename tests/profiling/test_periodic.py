@@ -18,6 +18,8 @@ from yafsdp_cli.sources import load_source
 
 tf = pytest.importorskip("transformers")
 
+from hf_models import deepseek_v3_shape  # noqa: E402 - after the skip
+
 
 def _folder(tmp_path, config) -> str:
     folder = tmp_path / "model"
@@ -138,28 +140,7 @@ def test_moe_with_dense_layers_between(tmp_path):
 
 @pytest.mark.parametrize("step", [{}, {"world_size": 4, "target": "cuda"}], ids=["plain", "cuda"])
 def test_dense_first_layers_are_a_prefix(tmp_path, step):
-    # DeepSeek-V3's shape: multi-head latent attention, shared and routed experts, and
-    # first_k_dense_replace dense layers before them
-    config = tf.DeepseekV3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=16,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=2,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=1,
-        topk_group=1,
-    )
+    config = deepseek_v3_shape(16)
     source = _folder(tmp_path, config)
     stack = find_stack(load_source(source).module)
     assert (stack.prefix, stack.period) == (2, 1)

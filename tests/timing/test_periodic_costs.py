@@ -16,6 +16,8 @@ from yafsdp_cli.timing.step_costs import count_step
 
 tf = pytest.importorskip("transformers")
 
+from hf_models import deepseek_v3_shape  # noqa: E402 - after the skip
+
 
 def _folder(tmp_path, config) -> str:
     folder = tmp_path / "model"
@@ -84,21 +86,7 @@ def test_alternating_attention_and_sparse_layers(tmp_path):
 
 
 def test_dense_first_layers_are_a_prefix(tmp_path):
-    config = tf.DeepseekV3Config(
-        **{**LLAMA, "num_hidden_layers": 24, "num_key_value_heads": 4},
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=2,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=1,
-        topk_group=1,
-    )
+    config = deepseek_v3_shape(24)
     costs = _assert_same(load_source(_folder(tmp_path, config)))
     assert costs.counted.startswith("5, 6, 7 of 24 layers")
 
