@@ -309,19 +309,17 @@ def monotonicity(rows) -> tuple[str, ...]:
     peak phase, its allocated peak, the caching allocator's fragmentation, the
     memory beside the allocator (NCCL's buffers grow with the world size)."""
     at = {r.cell: r for r in rows}
+    mbs = sorted({r.micro_batch for r in rows})
+    sizes = sorted({r.world_size for r in rows})
     notes = []
     for r in rows:
-        mbs = sorted(m for (m, c) in {x.cell.choice for x in rows} if c == r.checkpointing)
-        smaller_mb = [m for m in mbs if m < r.micro_batch]
-        if smaller_mb:
-            prev = at.get(Cell.at(r.world_size, smaller_mb[-1], r.checkpointing))
-            if prev is not None and r.needed_bytes < prev.needed_bytes:
-                notes.append(_not_monotone(prev, r, "micro-batch"))
-        sizes = sorted({x.world_size for x in rows if x.world_size < r.world_size})
-        if sizes:
-            prev = at.get(Cell.at(sizes[-1], r.micro_batch, r.checkpointing))
-            if prev is not None and r.needed_bytes > prev.needed_bytes:
-                notes.append(_not_monotone(prev, r, "world size"))
+        i, j = mbs.index(r.micro_batch), sizes.index(r.world_size)
+        smaller = at.get(Cell.at(r.world_size, mbs[i - 1], r.checkpointing)) if i else None
+        if smaller is not None and r.needed_bytes < smaller.needed_bytes:
+            notes.append(_not_monotone(smaller, r, "micro-batch"))
+        fewer = at.get(Cell.at(sizes[j - 1], r.micro_batch, r.checkpointing)) if j else None
+        if fewer is not None and r.needed_bytes > fewer.needed_bytes:
+            notes.append(_not_monotone(fewer, r, "world size"))
     return tuple(notes)
 
 

@@ -24,7 +24,6 @@ import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..memory import headroom
 from ..options import MemoryOptions
 from ..profiling import ProfileOptions
 from ..profiling.profiler import profile_converted
@@ -32,7 +31,7 @@ from ..profiling.timeline import StepEvents
 from .cell import Cell
 from .plan_options import PlanOptions
 from .pool import Origin, run_jobs
-from .reserved_fit import RESERVED, outside_at, plan_confs, replayed
+from .reserved_fit import RESERVED, may_advise, plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
 # a run's figures beside its phase peaks: what the model held at each phase's peak
@@ -59,7 +58,7 @@ class Job:
 
 def measure_peaks(loaded, opts: PlanOptions, seq_len: int, cell: Cell) -> dict[str, int]:
     """The figures of one fake step of the converted model at ``cell``."""
-    return run_figures(_step(loaded, opts, seq_len, cell).events, opts, cell.world_size)
+    return run_figures(_step(loaded, opts, seq_len, cell).events, opts, cell)
 
 
 def measure_job(loaded, opts: PlanOptions, seq_len: int, job: Job):
@@ -70,7 +69,7 @@ def measure_job(loaded, opts: PlanOptions, seq_len: int, job: Job):
         events = step.events if cell == job.cell else step.at_world_size(cell.world_size)
         if events is None:  # not rewritable: the cell's own step
             events, steps = _step(loaded, opts, seq_len, cell).events, steps + 1
-        found[cell] = run_figures(events, opts, cell.world_size)
+        found[cell] = run_figures(events, opts, cell)
     return found, steps
 
 
@@ -97,13 +96,13 @@ def _step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
     return steps["converted"]
 
 
-def run_figures(events: StepEvents, opts: PlanOptions, world_size: int) -> dict[str, int]:
+def run_figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
     """A step's phase peaks, what the model held at each (``HELD``, ``GRADS``), the
     activations then (``ACTS``), and its reserved peak under the plan's allocator
     setting; under the setting a plan may advise too, where that could change the
     verdict: the cell does not fit under its own, and its allocated peak would."""
     with _collector_paused():
-        return _figures(events, opts, world_size)
+        return _figures(events, opts, cell)
 
 
 @contextlib.contextmanager
@@ -121,7 +120,7 @@ def _collector_paused():
             gc.enable()
 
 
-def _figures(events: StepEvents, opts: PlanOptions, world_size: int) -> dict[str, int]:
+def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
     phase_peaks, breakdowns = events.phase_peaks()
     figures = dict(phase_peaks)
     for p, b in breakdowns.items():
@@ -133,15 +132,9 @@ def _figures(events: StepEvents, opts: PlanOptions, world_size: int) -> dict[str
         return figures
     trace = events.alloc_trace()
     figures.update(replayed(trace, confs[:1]))
-    if len(confs) > 1:
-        outside = outside_at(opts, world_size).total
-        own = figures[RESERVED + str(confs[0])]
-        gpu, margin = opts.memory.gpu_memory, opts.memory.margin_bytes
-        if (
-            not headroom.fit(own, outside, gpu, margin).fits
-            and headroom.fit(max(phase_peaks.values()), outside, gpu, margin).fits
-        ):
-            figures.update(replayed(trace, confs[1:]))
+    own = figures[RESERVED + str(confs[0])]
+    if len(confs) > 1 and may_advise(opts, cell, own, max(phase_peaks.values())):
+        figures.update(replayed(trace, confs[1:]))
     return figures
 
 

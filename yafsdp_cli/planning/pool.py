@@ -16,8 +16,9 @@ so the plan is the same for any ``jobs`` (``tests/planning/test_plan.py`` checks
 
 The number of jobs, unless given: 1 for a model of fewer than ``PARALLEL_MODULES``
 modules, whose fake runs take less than a worker takes to start (importing torch and
-transformers: about 3 s on 2 cores; a 2-layer Llama's run takes 0.3 s, the
-80-layer Llama-2-70B's 5 s); else the cores this process may use, no more than the
+transformers and building the model: about 4 s on 2 cores; a 2-layer Llama's step
+takes 0.3 s, a job of the 80-layer Llama-2-70B's, a step and its replays at nine
+world sizes, about 1.2 s); else the cores this process may use, no more than the
 runs, and no more than the memory allows, counting each worker as this process's
 resident size (a worker holds what this process holds: torch, the model's
 meta-device architecture and one fake step's bookkeeping).

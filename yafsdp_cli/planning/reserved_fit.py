@@ -47,6 +47,18 @@ def plan_confs(opts) -> tuple[AllocatorConf, ...]:
     return own, dataclasses.replace(own, expandable_segments=True)
 
 
+def may_advise(opts, cell: Cell, reserved: int, allocated: int) -> bool:
+    """Whether another allocator setting could change ``cell``'s verdict: it does not
+    fit with ``reserved`` under the job's setting, and it would with its ``allocated``
+    peak (no setting reserves less than the step allocates)."""
+    outside = outside_at(opts, cell.world_size).total
+    gpu, margin = opts.memory.gpu_memory, opts.memory.margin_bytes
+    return (
+        not headroom.fit(reserved, outside, gpu, margin).fits
+        and headroom.fit(allocated, outside, gpu, margin).fits
+    )
+
+
 def replayed(trace, confs) -> dict[str, int]:
     """A run's reserved peak under each setting, keyed ``RESERVED + setting``."""
     return {RESERVED + str(c): reserved_of(trace, c).reserved_peak for c in confs}

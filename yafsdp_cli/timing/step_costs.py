@@ -32,6 +32,7 @@ from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
+from ..errors import YafsdpError
 from ..options import LayoutOptions, StepOptions
 from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from ..profiling.kernels import CudaAttention
@@ -109,6 +110,8 @@ def _periodic(module, spec, opts, stack, depths) -> StepCosts | str:
         for depth in depths:
             with cut(module, stack, depth) as cut_module:
                 short.append(_count(cut_module, spec, opts))
+    except YafsdpError:
+        raise  # the model's own error (a sequence past its positions): the whole one has it too
     except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse: count whole
         return f"the model cut to {depths[0]} layers did not run ({type(exc).__name__})"
     periods = (stack.depth - depths[0]) // stack.period
