@@ -7,6 +7,10 @@ python -m sample_models.hf_folders [DIR]     # default: the current folder
 - ``Llama-2-70b-hf/``: the ``config.json`` of Llama-2-70B alone (its published
   hyperparameters), which ``inspect``, ``profile --fake`` and ``plan`` read without
   weights: the architecture is built on the meta device;
+- ``mpt-7b-shape/``: a ``config.json`` alone, ``GPT2LMHeadModel`` with MPT-7B's
+  shapes (hidden 4096, 32 layers and heads, MLP 16384, vocabulary 50368, tied
+  embedding, 8192 positions; GPT-2's learned position table and biases add 0.5% to
+  MPT's 6.7B parameters): the model of llm-foundry's published MPT-7B throughput rows;
 - ``tiny-llama-lora/``: where peft is installed, a LoRA adapter (r=8 on q_proj and
   v_proj) over ``tiny-llama/``, as ``PeftModel.save_pretrained`` writes it, its base
   named by a path relative to the adapter folder.
@@ -31,6 +35,23 @@ def llama_2_70b_config():
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         dtype="float16",
+    )
+
+
+def mpt_7b_shape_config():
+    import transformers as tf
+
+    return tf.GPT2Config(
+        vocab_size=50368,
+        n_embd=4096,
+        n_layer=32,
+        n_head=32,
+        n_inner=16384,
+        n_positions=8192,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
     )
 
 
@@ -60,6 +81,8 @@ def write(out: Path) -> list[Path]:
         written.append(out / name)
     llama_2_70b_config().save_pretrained(out / "Llama-2-70b-hf")
     written.append(out / "Llama-2-70b-hf")
+    mpt_7b_shape_config().save_pretrained(out / "mpt-7b-shape")
+    written.append(out / "mpt-7b-shape")
     adapter = write_adapter(out / "tiny-llama-lora", out / "tiny-llama")
     return written + ([adapter] if adapter else [])
 

@@ -187,6 +187,15 @@ CheckpointingOpt = Annotated[
         "(transformers models: their own, every layer).",
     ),
 ]
+LossOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--loss",
+        help="model | ce | fused-ce | chunked-ce[:N] | projection: the loss the step takes "
+        "(default: the model's own, labels=, where it computes one; else projection).",
+        metavar="LOSS",
+    ),
+]
 ParamDtypeOpt = Annotated[
     str | None,
     typer.Option(
@@ -378,6 +387,7 @@ def step_given(
     freeze: list[str] | None = None,
     lora: str | None = None,
     quantize: str | None = None,
+    loss: str | None = None,
 ) -> dict[str, Any]:
     """The step piece's fields given on the command line; ``--input-shape`` parsed."""
     given = _given(
@@ -396,6 +406,7 @@ def step_given(
             "freeze": freeze,
             "lora": lora,
             "quantize": quantize,
+            "loss": loss,
         }
     )
     return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}

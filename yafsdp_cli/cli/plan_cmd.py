@@ -22,6 +22,7 @@ from .flags import (
     GradDtypeOpt,
     JsonOpt,
     LoraOpt,
+    LossOpt,
     MarginOpt,
     ModelOpt,
     OptimizerImplOpt,
@@ -131,6 +132,7 @@ def plan_command(
     quantize: QuantizeOpt = None,
     optimizer: OptimizerOpt = "adamw",
     optimizer_impl: OptimizerImplOpt = "foreach",
+    loss: LossOpt = None,
     model: ModelOpt = None,
     trust_pickle: TrustPickleOpt = False,
     filters: FilterOpt = None,
@@ -177,6 +179,7 @@ def plan_command(
                 optimizer_impl=optimizer_impl,
                 target=target,
                 seed=seed,
+                loss=loss,
             ),
             # --margin, a share of the GPU's memory, once a named GPU is resolved
             memory=memory_from(

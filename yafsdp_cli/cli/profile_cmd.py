@@ -25,6 +25,7 @@ from .flags import (
     InputShapeOpt,
     JsonOpt,
     LoraOpt,
+    LossOpt,
     ModelOpt,
     OptimizerImplOpt,
     OptimizerOpt,
@@ -71,6 +72,7 @@ def profile_command(
     device: DeviceOpt = "cpu",
     target: TargetOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    loss: LossOpt = None,
     modules: Annotated[
         int,
         typer.Option(
@@ -147,6 +149,7 @@ def profile_command(
                 device=device,
                 target=target,
                 checkpointing=checkpointing,
+                loss=loss,
                 param_dtype=param_dtype,
                 grad_dtype=grad_dtype,
                 freeze=freeze,

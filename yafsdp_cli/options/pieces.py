@@ -8,6 +8,7 @@ from ..engine import dtypes
 from ..engine.choices import check_checkpointing, check_device, check_optimizer, check_placement
 from ..engine.filters import parse_filter
 from ..engine.finetune import parse_lora
+from ..engine.losses import parse_loss
 from ..engine.packed import check_quantize
 from ..errors import YafsdpError
 from ..numbers import (
@@ -91,6 +92,9 @@ class StepOptions:
     # last, as the memory model's inputs list them (``check``'s report, a baseline)
     optimizer: str | None = "adamw"  # adamw | adam | sgd | none; None: a checkpoint's own
     optimizer_impl: str = "auto"  # auto | for-loop | foreach | fused
+    # model | ce | fused-ce | chunked-ce[:N] | projection (engine/losses.py); None: the model's own
+    # loss where it computes one, else projection
+    loss: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", _tuple(self.input_shape))
@@ -119,6 +123,7 @@ class StepOptions:
         if self.target is not None:
             check_device("--target", self.target)
         check_checkpointing(self.checkpointing)
+        parse_loss(self.loss)
         check_training_dtypes(self.param_dtype, self.grad_dtype)
 
     @property

@@ -18,6 +18,7 @@ import dataclasses
 import time
 from functools import cache
 
+from ..engine.losses import resolve_loss, vocab_size
 from ..engine.plan import plan
 from ..engine.records import retype_params
 from ..memory import estimate_memory
@@ -67,6 +68,7 @@ def plan_model(
         loaded.build_module()  # raises: measuring activations needs an architecture
     loaded = adapt(loaded, opts.step)  # --freeze, --lora: the memory model counts them too
     seq_len = opts.step.seq_len or context_length(loaded.module)
+    loss = resolve_loss(loaded.module, opts.step.loss)  # a wrong --loss fails before the steps
     opts, dropped = _without_missing_units(loaded, opts)
     memory = _memory_model(loaded, opts)
     sizes = opts.world_sizes or tuple(2**k for k in range(MAX_WORLD_SIZE.bit_length()))
@@ -102,8 +104,11 @@ def plan_model(
         )
     tuning = getattr(loaded, "tuning_notes", ())  # --freeze, --lora, --quantize
     brief = getattr(loaded, "tuning_brief", ())
+    mb = report.best.micro_batch if report.best is not None else min(opts.micro_batches)
     return dataclasses.replace(
         report,
+        loss=loss.name,
+        loss_detail=loss.describe(mb * seq_len, vocab_size(loaded.module)),
         notes=(*dropped, *tuning, *report.notes),
         tuning=brief,
         past_positions=_past_positions(loaded.module, seq_len),

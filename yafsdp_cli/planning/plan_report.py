@@ -132,6 +132,8 @@ class PlanReport:
     # each (``sources.adapted``); () for a full fine-tune
     tuning: tuple[str, ...] = ()
     past_positions: PastPositions | None = None  # where seq_len is past the config's limit
+    loss: str = "projection"  # as --loss names it, the model's default resolved
+    loss_detail: str = ""  # the loss in words: what it holds at the best row's micro-batch
 
 
 @dataclass(frozen=True, slots=True)

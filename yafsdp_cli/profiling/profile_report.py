@@ -73,6 +73,7 @@ class ProfileReport:
     optimizer: str
     optimizer_impl: str
     checkpointing: str
+    loss: str  # as --loss names it (the model's default resolved), e.g. "chunked-ce:8"
     inputs: str  # e.g. "input_ids (1, 4096) int64"
     round_bytes: int  # every storage rounded up to this (CUDA's allocator: 512)
     flat_buffers: int
@@ -85,6 +86,7 @@ class ProfileReport:
     outside: OutsideAllocator | None = None  # GPU memory beside the allocator (target cuda)
     training_dtype: str = ""  # which dtype the parameters are trained in, and why
     trace: PeriodicTrace | None = None  # how the steps were had: one period repeated, or whole
+    loss_detail: str = ""  # the loss in words: what it holds
 
     @property
     def saving_bytes(self) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine.flat import convert_module
 from ..engine.idioms import apply_checkpointing
+from ..engine.losses import batch_logits, loss_for, resolve_loss
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.records import retype_params
@@ -32,7 +33,6 @@ from ..engine.train_step import (
     make_optimizer,
     optimizer_tensors,
     run_forward,
-    step_loss,
 )
 from ..errors import YafsdpError
 from ..options.training_dtype import training_dtype
@@ -283,6 +283,7 @@ def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
     holding = gpu_holding(opts)
+    loss = resolve_loss(loaded.module, opts.step.loss)  # a wrong --loss fails before the steps
     got = _steps(loaded, opts, fake_mode, ("original", "converted"), progress)
     progress("done", len(STAGES), len(STAGES))
     original = _step_profile("original", got, loaded, opts, traces, holding)
@@ -297,6 +298,8 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         optimizer=opts.step.optimizer,
         optimizer_impl=_optimizer_impl(opts),
         checkpointing=opts.step.checkpointing,
+        loss=loss.name,
+        loss_detail=loss.describe(*batch_logits(loaded.module, got.run.batch)),
         inputs=got.run.batch.describe(),
         round_bytes=_rounding(opts),
         flat_buffers=len(layout.buffers),
@@ -351,7 +354,7 @@ def build_module(
 
 def _batch(module: nn.Module, opts: ProfileOptions) -> Batch:
     """Real tensors, in a fake run too (see ``fake.py``)."""
-    batch = make_batch(module, opts.step)
+    batch = loss_for(module, opts.step).batch(make_batch(module, opts.step))
     if opts.step.device == "cuda":
         batch = batch.map(lambda t: t.to("cuda"))
     return batch
@@ -472,10 +475,12 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
 def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -> None:
     tracker.set_phase("forward")
     torch.manual_seed(opts.step.seed)
-    loss = step_loss(run_forward(module, batch), opts.step.seed)
-    tracker.set_phase("backward")
-    _backward(loss)
-    del loss
+    loss_of = loss_for(module, opts.step)
+    with loss_of.running():  # a checkpointed head recomputes in the backward
+        loss = loss_of(run_forward(module, batch))
+        tracker.set_phase("backward")
+        _backward(loss)
+        del loss
     if sharded is not None:
         sharded.finish_backward()
     if tracker.tags is not None:

@@ -154,8 +154,8 @@ def answer(report: PlanReport) -> list[str]:
     )
     lines.append(
         f"assumed: {report.seq_len} tokens per sequence{beyond}, {report.param_dtype} parameters "
-        f"(--param-dtype), {report.optimizer}, allocator settings {alloc}, flat scheme"
-        + "".join(f", {t}" for t in report.tuning)
+        f"(--param-dtype), {report.optimizer}, loss {report.loss}, allocator settings {alloc}, "
+        "flat scheme" + "".join(f", {t}" for t in report.tuning)
     )
     return lines
 

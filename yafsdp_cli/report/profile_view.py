@@ -38,6 +38,8 @@ def to_json(report: ProfileReport) -> str:
             "optimizer": report.optimizer,
             "optimizer_impl": report.optimizer_impl,
             "checkpointing": report.checkpointing,
+            "loss": report.loss,
+            "loss_detail": report.loss_detail,
             "inputs": report.inputs,
             "round_bytes": report.round_bytes,
             "flat_buffers": report.flat_buffers,
@@ -119,6 +121,7 @@ def summary_section(report: ProfileReport) -> Section:
             "step",
             f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step{ckpt}",
         ),
+        ("loss", f"{report.loss}: {report.loss_detail}"),
         (
             "converted",
             f"{report.converted} parameters in {report.flat_buffers} flat buffers, "
@@ -310,7 +313,10 @@ def answer(report: ProfileReport) -> list[str]:
             f"{human_bytes(o.reserved.gpu_bytes)}, converted {human_bytes(c.reserved.gpu_bytes)}"
         )
     run = "fake tensors" if report.fake else f"real tensors on {report.device}"
-    lines.append(f"{run}, {report.target}'s kernels, {rank}, {report.optimizer}; {report.inputs}")
+    lines.append(
+        f"{run}, {report.target}'s kernels, {rank}, {report.optimizer}, loss {report.loss}; "
+        f"{report.inputs}"
+    )
     if report.training_dtype:
         lines.append(report.training_dtype)
     return lines

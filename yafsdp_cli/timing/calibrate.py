@@ -38,9 +38,10 @@ from torch import nn
 
 from ..engine import dtypes
 from ..engine.idioms import apply_checkpointing
+from ..engine.losses import loss_for
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
-from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
+from ..engine.train_step import make_batch, make_optimizer, run_forward
 from ..errors import YafsdpError
 from ..gpu_table import DEVICE_NAMES
 from ..options import LayoutOptions
@@ -158,7 +159,8 @@ def real_step_seconds(module: nn.Module, opts: ProfileOptions, warmup: int, step
     module.train()
     units = plan(spec_from_module(module), LayoutOptions(units=opts.layout.units)).units
     apply_checkpointing(module, opts.step.checkpointing, units)
-    batch = make_batch(module, opts.step)
+    loss_of = loss_for(module, opts.step)
+    batch = loss_of.batch(make_batch(module, opts.step))
     params = list(module.parameters())
     masters = Masters(module, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     opt = make_optimizer(
@@ -168,7 +170,8 @@ def real_step_seconds(module: nn.Module, opts: ProfileOptions, warmup: int, step
     for i in range(warmup + steps):
         _sync(device)
         start = time.perf_counter()
-        step_loss(run_forward(module, batch), opts.step.seed).backward()
+        with loss_of.running():
+            loss_of(run_forward(module, batch)).backward()
         if masters is not None:
             masters.after_backward()
             masters.before_step()

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from ..engine.idioms import apply_checkpointing
+from ..engine.losses import loss_for
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
-from ..engine.train_step import make_batch, make_optimizer, run_forward, step_loss
+from ..engine.train_step import make_batch, make_optimizer, run_forward
 from ..errors import YafsdpError
 from ..options import LayoutOptions, StepOptions
 from ..profiling.fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
@@ -139,7 +140,7 @@ def _count(module, spec, opts: ProfileOptions) -> StepCosts:
             model.train()
             units = plan(spec_from_module(model), LayoutOptions(units=opts.layout.units)).units
             apply_checkpointing(model, opts.step.checkpointing, units)
-        batch = make_batch(model, opts.step)
+        batch = loss_for(model, opts.step).batch(make_batch(model, opts.step))
         cuda = (opts.step.target or "cuda") == "cuda"
         attention = CudaAttention() if cuda else None
         counter = OpCounter()
@@ -168,10 +169,12 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
     warm_up(opt, stepped)
     counter.phase = "forward"
     torch.manual_seed(opts.step.seed)
-    loss = step_loss(run_forward(model, batch), opts.step.seed)
-    counter.phase = "backward"
-    _backward(loss)
-    del loss
+    loss_of = loss_for(model, opts.step)
+    with loss_of.running():
+        loss = loss_of(run_forward(model, batch))
+        counter.phase = "backward"
+        _backward(loss)
+        del loss
     counter.phase = "optimizer"
     if masters is not None:
         masters.after_backward()
