@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.losses import parse_loss
 from ..errors import YafsdpError
 from ..fileio import read_json
 from ..inspection.build import InspectInputs
@@ -89,6 +90,9 @@ class StepInputs:
     checkpointing: str  # none | reentrant | non-reentrant
     world_size: int
     optimizer: str
+    # as --loss names it; a baseline written before the step took other losses than
+    # the projection records none, and was measured with the projection
+    loss: str | None = None
 
     def step_options(self) -> StepOptions:
         """The step piece these record (validated)."""
@@ -97,6 +101,7 @@ class StepInputs:
             batch=self.batch,
             seq_len=self.seq_len,
             checkpointing=self.checkpointing,
+            loss=self.loss,
         )
 
 
@@ -231,6 +236,13 @@ def plan_baseline(path: Path) -> dict[str, Any] | None:
     return doc
 
 
+def _loss(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise YafsdpError(f"{where}: step.inputs.loss must be a string like chunked-ce:8")
+    parse_loss(value)
+    return value
+
+
 def load_baseline(path: Path) -> Baseline:
     """Read and check a baseline; ``YafsdpError`` says what is wrong and what to do."""
     if not path.is_file():
@@ -293,6 +305,7 @@ def _parse_step(doc: dict, where: str = "baseline:") -> StepFigures:
             checkpointing=str(inputs["checkpointing"]),
             world_size=_whole(inputs["world_size"], where, "step.inputs.world_size", MAX_COUNT),
             optimizer=str(inputs["optimizer"]),
+            loss=_loss(inputs.get("loss", "projection"), where),
         ),
         batch=str(doc["batch"]),
         peak=peak,

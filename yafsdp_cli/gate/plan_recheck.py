@@ -34,6 +34,8 @@ def recheck_plan(
     options the options model refuses (a NaN, an unknown name) are an error naming
     ``where`` (the file) before anything runs."""
     recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in doc["options"].items()}
+    # a plan saved before the step took other losses than the projection was measured with it
+    recorded.setdefault("loss", "projection")
     try:
         opts = PlanOptions.from_recorded(recorded)
     except (YafsdpError, TypeError) as exc:

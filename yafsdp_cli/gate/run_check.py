@@ -128,7 +128,7 @@ def memory_figures(report: InspectReport) -> MemoryFigures:
     )
 
 
-STEP_NAMES = ("batch", "seq_len", "checkpointing")  # the step piece's fields check takes
+STEP_NAMES = ("batch", "seq_len", "checkpointing", "loss")  # the step piece's fields check takes
 
 
 def given_step(req: CheckRequest) -> dict[str, Any]:
@@ -150,6 +150,7 @@ def step_inputs(req: CheckRequest, old: Baseline | None, report: InspectReport) 
         step.checkpointing,
         report.inputs.world_size,
         report.inputs.optimizer,
+        step.loss,
     )
 
 

@@ -57,7 +57,7 @@ def measure_step(loaded, inputs: StepInputs, layout: LayoutOptions) -> StepFigur
     step = report.converted_step
     conf = allocator_setting(None)  # the variable's, named in its errors
     return StepFigures(
-        inputs=inputs,
+        inputs=dataclasses.replace(inputs, loss=report.loss),  # the model's default named
         batch=report.inputs,
         peak={c: getattr(step.peak, c) for c in CATEGORIES},
         peak_total=step.peak.total,

@@ -197,6 +197,7 @@ SAVED = (
     "quantize",
     "optimizer",
     "optimizer_impl",
+    "loss",
     "filters",
     "excludes",
     "units",
