@@ -7,11 +7,13 @@ without importing torch; the runtime that acts on a choice (``train_step``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import YafsdpError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
-CHECKPOINTING = ("none", "reentrant", "non-reentrant")
+CHECKPOINTING = ("none", "reentrant", "non-reentrant", "selective:op", "selective:layer=N")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("dim0", "auto")  # FSDP2: fully_shard's dim-0 split, or Shard(1) where better
 
@@ -23,9 +25,54 @@ def check_optimizer(kind: str, impl: str = "for-loop") -> None:
         raise YafsdpError(f"--optimizer-impl {impl!r} is not one of {'|'.join(OPTIMIZER_IMPLS)}")
 
 
+LAYER_PREFIX = "selective:layer="
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """A ``--checkpointing`` mode, read: which blocks are checkpointed and how.
+
+    ``every``: the blocks checkpointed are those whose 1-based position among the
+    blocks is a multiple of it (torchtitan's ``selective_ac_option`` of a number:
+    its count starts at 1 and checkpoints where ``count % every == 0``, so
+    ``selective:layer=2`` checkpoints the second, fourth, ... block; 1: every block).
+    ``selective_op``: each checkpointed block saves the outputs of the ops on
+    ``engine.selective.SAVE_LIST`` and recomputes the rest."""
+
+    mode: str  # as given: what rows and reports carry
+    enabled: bool
+    reentrant: bool = False
+    every: int = 1
+    selective_op: bool = False
+
+
+def parse_checkpointing(mode: str) -> Checkpointing:
+    """``mode`` read (see ``Checkpointing``); a clear error where it is none of them."""
+    if mode == "none":
+        return Checkpointing(mode, enabled=False)
+    if mode in ("reentrant", "non-reentrant"):
+        return Checkpointing(mode, enabled=True, reentrant=mode == "reentrant")
+    if mode == "selective:op":
+        return Checkpointing(mode, enabled=True, selective_op=True)
+    if mode.startswith(LAYER_PREFIX):
+        n = mode[len(LAYER_PREFIX) :]
+        if not (n.isascii() and n.isdigit() and not n.startswith("0")):
+            raise YafsdpError(
+                f"--checkpointing {mode!r}: N in selective:layer=N is a whole number of at "
+                "least 1 (every N-th block checkpointed)"
+            )
+        return Checkpointing(mode, enabled=True, every=int(n))
+    raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
+
+
 def check_checkpointing(mode: str) -> None:
-    if mode not in CHECKPOINTING:
-        raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
+    parse_checkpointing(mode)
+
+
+def layer_period(mode: str) -> int:
+    """How many blocks the checkpointing pattern of ``mode`` takes to repeat: N for
+    ``selective:layer=N``, else 1."""
+    return parse_checkpointing(mode).every
 
 
 def check_device(flag: str, device: str) -> None:

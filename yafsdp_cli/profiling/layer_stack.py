@@ -11,6 +11,13 @@ a ``prefix`` of layers that differ. The description cannot see everything a
 forward may read (a branch on ``config.layer_types[self.layer_idx]``); that is
 why the periodic step is always checked against a traced one (``periodic``).
 
+Checkpointing every N-th block (``selective:layer=N``) makes layers that are alike
+step differently: ``find_stack(module, every=N)`` gives the period as the least
+common multiple of the layers' own and N. Every period layer holds as many blocks
+as the next (their signatures are equal), so N divides the blocks of such a period,
+wherever the count of blocks starts: each layer of it is checkpointed as the layer
+one period on.
+
 ``cut(module, stack, depth)`` gives the module with the first ``depth`` layers of
 its stack only, the rest of it shared: a prefix of the model, as a config of fewer
 layers would build it.
@@ -19,6 +26,7 @@ layers would build it.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +49,7 @@ class Stack:
     depth: int
     prefix: int
     period: int
+    every: int = 1  # every N-th block checkpointed: part of the period (see above)
 
     @property
     def tail(self) -> int:
@@ -88,13 +97,17 @@ class Stack:
         parts = [f"{self.depth} layers of {self.path or 'the model'}"]
         if self.prefix:
             parts.append(f"the first {self.prefix} unlike the rest")
-        parts.append(f"a period of {self.period}")
+        period = f"a period of {self.period}"
+        if self.every > 1:
+            period += f" (every {self.every}-th block checkpointed)"
+        parts.append(period)
         return ", ".join(parts)
 
 
-def find_stack(module: nn.Module) -> Stack | None:
+def find_stack(module: nn.Module, every: int = 1) -> Stack | None:
     """The largest ``ModuleList`` (by parameter elements) and its period; None where
-    the model has none of at least two layers."""
+    the model has none of at least two layers. ``every``: every that many blocks are
+    checkpointed (``choices.layer_period``), a period that multiplies the layers'."""
     lists = [
         (sum(p.numel() for p in m.parameters()), name)
         for name, m in module.named_modules()
@@ -107,7 +120,7 @@ def find_stack(module: nn.Module) -> Stack | None:
     layers = module.get_submodule(path)
     signatures = [_signature(layer) for layer in layers]
     prefix, period = _period(signatures)
-    return Stack(path, len(layers), prefix, period)
+    return Stack(path, len(layers), prefix, math.lcm(period, every), every)
 
 
 def _period(signatures: list) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..engine.choices import layer_period
 from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
@@ -91,7 +92,8 @@ def count_step(loaded, opts: ProfileOptions | None = None, *, periodic: bool = T
     ``StepCosts.counted`` says which."""
     opts = opts or ProfileOptions(step=StepOptions(target="cuda"), fake=True)
     module, spec = _source_module(loaded)
-    stack = find_stack(module) if periodic else None
+    every = layer_period(opts.step.checkpointing)
+    stack = find_stack(module, every) if periodic else None
     if stack is not None:
         depths = (stack.traced, stack.checked, stack.checked + stack.period)
         if sum(depths) < stack.depth:
