@@ -19,6 +19,7 @@ import json
 
 import pytest
 import torch
+from helpers import options
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typer.testing import CliRunner
 
@@ -32,7 +33,10 @@ from yafsdp_cli.engine.train_step import (
     step_loss,
 )
 from yafsdp_cli.options import StepOptions
-from yafsdp_cli.profiling.profiler import warm_up
+from yafsdp_cli.profiling import ProfileOptions, profiler
+from yafsdp_cli.profiling.periodic import canonical
+from yafsdp_cli.profiling.profiler import profile_converted, profile_model, warm_up
+from yafsdp_cli.profiling.timeline import PHASE, SIZE
 from yafsdp_cli.profiling.tracker import StorageTracker
 from yafsdp_cli.sources import load_source
 
@@ -141,3 +145,135 @@ def test_profile_equals_a_real_step_checkpointed_by_torch(tmp_path, mode):
         assert step["peak"] == dataclasses.asdict(truth["peak"]), extra
         assert step["phase_peaks"] == truth["phase_peaks"], extra
     assert any("activation_checkpointing_enable" in n for n in doc["notes"])
+
+
+def _report(path: str, mode: str, **kw):
+    return profile_model(
+        load_source(path),
+        options(ProfileOptions, batch=BATCH, seq_len=SEQ, checkpointing=mode, **kw),
+    )
+
+
+def _figures(step) -> tuple:
+    return step.peak, step.phase_peaks, step.phase_breakdowns, step.end, step.peak_phase
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"fake": True, "world_size": 2}, {"fake": True, "target": "cuda", "param_dtype": "bf16"}],
+    ids=["real", "fake-2-ranks", "fake-cuda-bf16"],
+)
+def test_selective_op_lies_between_none_and_full_and_layer_1_is_full(tmp_path, kw):
+    path = _llama(tmp_path)
+    none, full = _report(path, "none", **kw), _report(path, "non-reentrant", **kw)
+    op, layer1 = _report(path, "selective:op", **kw), _report(path, "selective:layer=1", **kw)
+    for v in ("original", "converted_step"):
+        peaks = [getattr(r, v).peak.total for r in (full, op, none)]
+        assert peaks[0] < peaks[1] < peaks[2], (v, peaks)
+        assert _figures(getattr(layer1, v)) == _figures(getattr(full, v)), v
+        assert getattr(layer1, v).ops == getattr(full, v).ops, v
+
+
+def _sizes(step) -> list:
+    """Every allocation, free and phase of a recorded step, its blocks numbered in
+    the order they are first sized (module and layer marks left out: a whole trace
+    does not follow layers)."""
+    return [e for e in canonical(step)[0] if e[0] in (SIZE, PHASE)]
+
+
+def _periodic_and_whole(path: str, mode: str, **kw):
+    out = []
+    for periodic in (True, False):
+        opts = options(ProfileOptions, fake=True, batch=BATCH, seq_len=16, checkpointing=mode, **kw)
+        opts = dataclasses.replace(opts, periodic=periodic)
+        steps: dict = {}
+        converted = profile_converted(load_source(path), opts, steps=steps)
+        report = profile_model(load_source(path), opts)
+        out.append((report, converted, steps))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("layers", "mode", "kw"),
+    [
+        (8, "selective:op", {}),
+        (8, "selective:op", {"target": "cuda", "world_size": 2}),
+        (16, "selective:layer=2", {}),
+        (16, "selective:layer=2", {"target": "cuda", "world_size": 4}),
+    ],
+)
+def test_periodic_trace_equals_the_whole_trace(tmp_path, layers, mode, kw):
+    (p_report, p_conv, p_steps), (w_report, w_conv, w_steps) = _periodic_and_whole(
+        _llama(tmp_path, layers), mode, **kw
+    )
+    assert p_steps["trace"].periodic, p_steps["trace"].why
+    assert not w_steps["trace"].periodic
+    if mode == "selective:layer=2":
+        assert "a period of 2 (every 2nd block checkpointed)" in p_steps["trace"].why
+    assert _sizes(p_steps["converted"]) == _sizes(w_steps["converted"])
+    assert p_steps["converted"].events.ops == w_steps["converted"].events.ops
+    assert _figures(p_conv) == _figures(w_conv)
+    for v in ("original", "converted_step"):
+        a, b = getattr(p_report, v), getattr(w_report, v)
+        assert _figures(a) == _figures(b), v
+        assert a.ops == b.ops, v
+    assert p_report.trace.periodic and not w_report.trace.periodic
+
+
+def test_a_layer_period_too_long_to_gain_is_traced_whole_and_says_why(tmp_path):
+    report = _report(_llama(tmp_path, 16), "selective:layer=3", fake=True)
+    assert not report.trace.periodic
+    assert report.trace.why == (
+        "16 layers of model.layers, a period of 3 (every 3rd block checkpointed): tracing "
+        "10 and 13 layers would cost more than the whole"
+    )
+
+
+def test_a_period_that_ignored_the_layer_rule_would_be_caught(tmp_path, monkeypatch):
+    """Were the stack's period not widened to N, the repeated step would differ from
+    the one traced a period deeper: the check catches it and the whole is traced."""
+    path = _llama(tmp_path, 16)
+    right = _report(path, "selective:layer=2", fake=True)
+    monkeypatch.setattr(profiler, "layer_period", lambda mode: 1)
+    wrong = _report(path, "selective:layer=2", fake=True)
+    assert right.trace.periodic
+    assert not wrong.trace.periodic
+    assert "is not the traced step of 4" in wrong.trace.why
+    assert _figures(wrong.original) == _figures(right.original)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("selective:layer=0", "--checkpointing 'selective:layer=0': N in selective:layer=N"),
+        ("selective:layer=x", "--checkpointing 'selective:layer=x': N in selective:layer=N"),
+        ("selective:foo", "--checkpointing 'selective:foo' is not one of none|reentrant|"),
+    ],
+)
+def test_bad_modes_are_one_line_errors(mode, message):
+    result = runner.invoke(
+        app, ["profile", "--model", "sample_models.models:llama", "--checkpointing", mode]
+    )
+    assert result.exit_code == 2, result.output
+    text = result.output.strip()
+    assert message in " ".join(text.split())
+    assert "Traceback" not in text and len(text.splitlines()) <= 3  # one line, as wrapped
+
+
+@pytest.mark.parametrize("mode", ["selective:op", "selective:layer=2"])
+def test_a_model_of_units_is_checkpointed_by_its_units(mode):
+    """A model without transformers' enable: torch.utils.checkpoint around its units,
+    fake equal to real, fewer bytes than none, more than every unit checkpointed."""
+
+    def run(ck, **kw):
+        loaded = load_source("sample_models/llama.safetensors", model="sample_models.models:llama")
+        return profile_model(
+            loaded, options(ProfileOptions, batch=1, seq_len=64, checkpointing=ck, **kw)
+        )
+
+    real, fake = run(mode), run(mode, fake=True)
+    for v in ("original", "converted_step"):
+        assert _figures(getattr(real, v)) == _figures(getattr(fake, v)), v
+    peaks = [run(ck).original.peak.total for ck in ("non-reentrant", mode, "none")]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    assert any("torch.utils.checkpoint" in n for n in real.notes)

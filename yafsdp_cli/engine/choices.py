@@ -58,8 +58,8 @@ def parse_checkpointing(mode: str) -> Checkpointing:
         n = mode[len(LAYER_PREFIX) :]
         if not (n.isascii() and n.isdigit() and not n.startswith("0")):
             raise YafsdpError(
-                f"--checkpointing {mode!r}: N in selective:layer=N is a whole number of at "
-                "least 1 (every N-th block checkpointed)"
+                f"--checkpointing {mode!r}: N in selective:layer=N is a whole number from 1 "
+                "up, in digits without a leading 0 (selective:layer=2: every 2nd block)"
             )
         return Checkpointing(mode, enabled=True, every=int(n))
     raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
@@ -67,6 +67,33 @@ def parse_checkpointing(mode: str) -> Checkpointing:
 
 def check_checkpointing(mode: str) -> None:
     parse_checkpointing(mode)
+
+
+def describe_checkpointing(mode: str) -> str:
+    """What a selective mode checkpoints, in words (a plan's note); "" for the others."""
+    ck = parse_checkpointing(mode)
+    if ck.selective_op:
+        return (
+            f"{mode}: every unit non-reentrant under torchtitan's op policy: the outputs of "
+            "aten.mm (every second one of a unit recomputed), of sdpa's fused attention "
+            "kernels, of reduce_scatter_tensor and of aten.max saved, the rest recomputed "
+            "(docs/plan.md)"
+        )
+    if ck.every > 1:
+        return (
+            f"{mode}: the {nth(ck.every)}, {nth(2 * ck.every)}, ... unit (counted from 1, "
+            "torchtitan's rule) checkpointed whole, non-reentrant; the others not"
+        )
+    if ck.mode.startswith(LAYER_PREFIX):
+        return f"{mode}: every unit, as non-reentrant"
+    return ""
+
+
+def nth(n: int) -> str:
+    """``2nd``, ``3rd``, ``11th``: how a report names the every-N-th block."""
+    tens = n % 100
+    suffix = "th" if 10 <= tens <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def layer_period(mode: str) -> int:

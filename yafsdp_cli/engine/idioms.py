@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import YafsdpError
-from .choices import CHECKPOINTING, Checkpointing, parse_checkpointing  # noqa: F401 - API
+from .choices import CHECKPOINTING, Checkpointing, nth, parse_checkpointing  # noqa: F401 - API
 from .selective import selective_contexts
 
 
@@ -62,7 +62,7 @@ def apply_checkpointing(module: nn.Module, mode: str, units: Sequence[str]) -> s
         return f"torch.utils.checkpoint ({mode}) around each of {len(blocks)} units"
     return (
         f"torch.utils.checkpoint ({mode}, non-reentrant) around {len(chosen)} of "
-        f"{len(blocks)} units: every {ck.every}-th, counted from 1"
+        f"{len(blocks)} units: every {nth(ck.every)}, counted from 1"
     )
 
 
@@ -105,7 +105,10 @@ def _hf_every(layers: list[nn.Module], every: int) -> str:
     for k, layer in enumerate(layers, 1):
         layer.gradient_checkpointing = k % every == 0
     kept = sum(1 for k in range(1, len(layers) + 1) if k % every == 0)
-    return f", then {kept} of its {len(layers)} layers kept: every {every}-th, counted from 1"
+    return (
+        f", then {kept} of its {len(layers)} layers left checkpointed: every {nth(every)}, "
+        "counted from 1"
+    )
 
 
 def _wrap(block: nn.Module, ck: Checkpointing) -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..engine.choices import nth
+
 # attributes that name a layer's place, not what it does
 INDEX_ATTRS = frozenset(
     {"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx", "index"}
@@ -99,7 +101,7 @@ class Stack:
             parts.append(f"the first {self.prefix} unlike the rest")
         period = f"a period of {self.period}"
         if self.every > 1:
-            period += f" (every {self.every}-th block checkpointed)"
+            period += f" (every {nth(self.every)} block checkpointed)"
         parts.append(period)
         return ", ".join(parts)
 
