@@ -188,10 +188,14 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
 def _backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` with ``CudaAttention`` still on for recomputed forwards:
     a ``TorchFunctionMode`` is off for the length of a ``Tensor.backward`` call, so
-    the engine is called directly (as ``profiling.profiler`` does, for the same reason)."""
+    the engine is called directly (as ``profiling.profiler`` does, for the same reason).
+    The seed gradient is made with grad off: ``OpCounter`` marks a backward op run with
+    grad on as recomputed forward, and this one is not (its kernel is the same either
+    way)."""
     from torch.autograd.graph import _engine_run_backward
 
-    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    with torch.no_grad():
+        grad = torch.ones_like(loss, memory_format=torch.preserve_format)
     _engine_run_backward(
         (loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
