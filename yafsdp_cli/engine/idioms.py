@@ -42,13 +42,12 @@ def apply_checkpointing(module: nn.Module, mode: str, units: Sequence[str]) -> s
     ck = parse_checkpointing(mode)
     if not ck.enabled:
         return ""
-    hf_layers = _hf_layers(module)
-    if getattr(module, "supports_gradient_checkpointing", False) and (ck.every == 1 or hf_layers):
-        done = _hf_enable(module, ck)
+    if getattr(module, "supports_gradient_checkpointing", False):
+        # every N-th layer needs layers transformers can turn off one by one
+        hf_layers = _hf_layers(module) if ck.every > 1 else []
+        done = _hf_enable(module, ck) if ck.every == 1 or hf_layers else None
         if done is not None:
-            if ck.every > 1:
-                done += _hf_every(hf_layers, ck.every)
-            return done
+            return done + (_hf_every(hf_layers, ck.every) if hf_layers else "")
     blocks = [u for u in units if u]
     if not blocks:
         raise YafsdpError(
