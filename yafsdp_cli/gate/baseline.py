@@ -86,7 +86,7 @@ class StepInputs:
 
     batch: int
     seq_len: int
-    checkpointing: str  # none | reentrant | non-reentrant
+    checkpointing: str  # a --checkpointing mode (engine.choices)
     world_size: int
     optimizer: str
 
