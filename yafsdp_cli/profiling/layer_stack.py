@@ -13,10 +13,12 @@ why the periodic step is always checked against a traced one (``periodic``).
 
 Checkpointing every N-th block (``selective:layer=N``) makes layers that are alike
 step differently: ``find_stack(module, every=N)`` gives the period as the least
-common multiple of the layers' own and N. Every period layer holds as many blocks
-as the next (their signatures are equal), so N divides the blocks of such a period,
-wherever the count of blocks starts: each layer of it is checkpointed as the layer
-one period on.
+common multiple of the layers' own and N. That holds where the blocks counted are
+the stack's layers, one each (transformers' decoder layers, the default units):
+then a period holds a multiple of N blocks, wherever the count starts, and each
+layer is checkpointed as the layer one period on. Where the blocks are counted
+otherwise (several to a layer), the check against the trace one period deeper
+(``periodic``) finds the difference and the whole model is traced.
 
 ``cut(module, stack, depth)`` gives the module with the first ``depth`` layers of
 its stack only, the rest of it shared: a prefix of the model, as a config of fewer
