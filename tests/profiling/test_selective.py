@@ -133,9 +133,17 @@ def _profile(path: str, mode: str, *extra: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("mode", ["selective:op", "selective:layer=2", "selective:layer=3"])
-def test_profile_equals_a_real_step_checkpointed_by_torch(tmp_path, mode):
-    path = _llama(tmp_path)
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [
+        ("selective:op", "float32"),
+        ("selective:op", "bfloat16"),
+        ("selective:layer=2", "float32"),
+        ("selective:layer=3", "float32"),
+    ],
+)
+def test_profile_equals_a_real_step_checkpointed_by_torch(tmp_path, mode, dtype):
+    path = _llama(tmp_path, dtype=dtype)
     truth = _truth(path, mode)
     for extra in ((), ("--fake", "--trace", "whole"), ("--fake",)):
         doc = _profile(path, mode, *extra)
