@@ -184,7 +184,9 @@ CheckpointingOpt = Annotated[
     typer.Option(
         "--checkpointing",
         help="none | reentrant | non-reentrant: activation checkpointing of every unit "
-        "(transformers models: their own, every layer).",
+        "(transformers models: their own, every layer); selective:op: torchtitan's op-level "
+        "policy (mm, attention kernels saved, the rest recomputed); selective:layer=N: every "
+        "N-th unit, counted from 1.",
     ),
 ]
 LossOpt = Annotated[

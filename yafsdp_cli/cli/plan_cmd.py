@@ -66,7 +66,9 @@ def plan_command(
         str,
         typer.Option(
             "--checkpointing",
-            help="Activation checkpointing of every unit to try: none, reentrant, non-reentrant.",
+            help="Activation checkpointing to try: none, reentrant, non-reentrant (every "
+            "unit), selective:op (torchtitan's op-level policy), selective:layer=N (every N-th "
+            "unit, counted from 1).",
             metavar="MODE,MODE,...",
         ),
     ] = "none,non-reentrant",

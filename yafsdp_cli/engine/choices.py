@@ -7,11 +7,13 @@ without importing torch; the runtime that acts on a choice (``train_step``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import YafsdpError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
-CHECKPOINTING = ("none", "reentrant", "non-reentrant")
+CHECKPOINTING = ("none", "reentrant", "non-reentrant", "selective:op", "selective:layer=N")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("dim0", "auto")  # FSDP2: fully_shard's dim-0 split, or Shard(1) where better
 
@@ -23,9 +25,81 @@ def check_optimizer(kind: str, impl: str = "for-loop") -> None:
         raise YafsdpError(f"--optimizer-impl {impl!r} is not one of {'|'.join(OPTIMIZER_IMPLS)}")
 
 
+LAYER_PREFIX = "selective:layer="
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """A ``--checkpointing`` mode, read: which blocks are checkpointed and how.
+
+    ``every``: the blocks checkpointed are those whose 1-based position among the
+    blocks is a multiple of it (torchtitan's ``selective_ac_option`` of a number:
+    its count starts at 1 and checkpoints where ``count % every == 0``, so
+    ``selective:layer=2`` checkpoints the second, fourth, ... block; 1: every block).
+    ``selective_op``: each checkpointed block saves the outputs of the ops on
+    ``engine.selective.SAVE_LIST`` and recomputes the rest."""
+
+    mode: str  # as given: what rows and reports carry
+    enabled: bool
+    reentrant: bool = False
+    every: int = 1
+    selective_op: bool = False
+
+
+def parse_checkpointing(mode: str) -> Checkpointing:
+    """``mode`` read (see ``Checkpointing``); a clear error where it is none of them."""
+    if mode == "none":
+        return Checkpointing(mode, enabled=False)
+    if mode in ("reentrant", "non-reentrant"):
+        return Checkpointing(mode, enabled=True, reentrant=mode == "reentrant")
+    if mode == "selective:op":
+        return Checkpointing(mode, enabled=True, selective_op=True)
+    if mode.startswith(LAYER_PREFIX):
+        n = mode[len(LAYER_PREFIX) :]
+        if not (n.isascii() and n.isdigit() and not n.startswith("0")):
+            raise YafsdpError(
+                f"--checkpointing {mode!r}: N in selective:layer=N is a whole number from 1 "
+                "up, in digits without a leading 0 (selective:layer=2: every 2nd block)"
+            )
+        return Checkpointing(mode, enabled=True, every=int(n))
+    raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
+
+
 def check_checkpointing(mode: str) -> None:
-    if mode not in CHECKPOINTING:
-        raise YafsdpError(f"--checkpointing {mode!r} is not one of {'|'.join(CHECKPOINTING)}")
+    parse_checkpointing(mode)
+
+
+def describe_checkpointing(mode: str) -> str:
+    """What a selective mode checkpoints, in words (a plan's note); "" for the others."""
+    ck = parse_checkpointing(mode)
+    if ck.selective_op:
+        return (
+            f"{mode}: every unit non-reentrant under torchtitan's op policy: the outputs of "
+            "aten.mm (every second one of a unit recomputed), of sdpa's fused attention "
+            "kernels, of reduce_scatter_tensor and of aten.max saved, the rest recomputed "
+            "(docs/plan.md)"
+        )
+    if ck.every > 1:
+        return (
+            f"{mode}: the {nth(ck.every)}, {nth(2 * ck.every)}, ... unit (counted from 1, "
+            "torchtitan's rule) checkpointed whole, non-reentrant; the others not"
+        )
+    if ck.mode.startswith(LAYER_PREFIX):
+        return f"{mode}: every unit, as non-reentrant"
+    return ""
+
+
+def nth(n: int) -> str:
+    """``2nd``, ``3rd``, ``11th``: how a report names the every-N-th block."""
+    tens = n % 100
+    suffix = "th" if 10 <= tens <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def layer_period(mode: str) -> int:
+    """How many blocks the checkpointing pattern of ``mode`` takes to repeat: N for
+    ``selective:layer=N``, else 1."""
+    return parse_checkpointing(mode).every
 
 
 def check_device(flag: str, device: str) -> None:

@@ -87,7 +87,7 @@ class StepInputs:
 
     batch: int
     seq_len: int
-    checkpointing: str  # none | reentrant | non-reentrant
+    checkpointing: str  # a --checkpointing mode (engine.choices)
     world_size: int
     optimizer: str
     # as --loss names it; a baseline written before the step took other losses than

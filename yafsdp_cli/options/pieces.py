@@ -82,7 +82,7 @@ class StepOptions:
     seed: int = 0  # of the inputs and the loss
     device: str = "cpu"  # cpu | cuda: where the step runs
     target: str | None = None  # cpu | cuda: whose kernels are accounted; None: the device's
-    checkpointing: str = "none"  # none | reentrant | non-reentrant, per unit
+    checkpointing: str = "none"  # none | reentrant | non-reentrant | selective:op|layer=N
     param_dtype: str | None = None  # training dtype of floating parameters; None: as stored
     grad_dtype: str | None = None  # None: the parameter's dtype
     # fine-tuning (see options/finetune.py): what does not train, and the LoRA adapter

@@ -18,6 +18,7 @@ import dataclasses
 import time
 from functools import cache
 
+from ..engine.choices import describe_checkpointing
 from ..engine.losses import resolve_loss, vocab_size
 from ..engine.plan import plan
 from ..engine.records import retype_params
@@ -299,6 +300,7 @@ def _notes(opts: PlanOptions, runner: Runner, fit) -> tuple[str, ...]:
         _fit_note(opts, fit),
         "checkpointing reentrant / non-reentrant: torch.utils.checkpoint around every unit "
         "(transformers' own activation_checkpointing_enable where the model has it)",
+        *filter(None, map(describe_checkpointing, opts.checkpointing)),
         f"kernels: {opts.step.target}'s"
         + (
             " (attention as CUDA's sdpa kernels save it, the optimizer's foreach default)"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from ..engine import dtypes
+from ..engine.choices import CHECKPOINTING as CHOICES
 from ..engine.choices import check_checkpointing
 from ..errors import YafsdpError
 from ..memory import MemoryConfig
@@ -88,7 +89,7 @@ class PlanOptions:
             for value in values or ():
                 checked(value, f"--{flag}", 1, MAX_COUNT, whole=True)
         if not self.checkpointing:
-            raise YafsdpError("--checkpointing needs at least one of none|reentrant|non-reentrant")
+            raise YafsdpError(f"--checkpointing needs at least one of {'|'.join(CHOICES)}")
         for mode in self.checkpointing:
             check_checkpointing(mode)
         if self.jobs is not None:

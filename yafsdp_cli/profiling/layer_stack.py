@@ -11,6 +11,15 @@ a ``prefix`` of layers that differ. The description cannot see everything a
 forward may read (a branch on ``config.layer_types[self.layer_idx]``); that is
 why the periodic step is always checked against a traced one (``periodic``).
 
+Checkpointing every N-th block (``selective:layer=N``) makes layers that are alike
+step differently: ``find_stack(module, every=N)`` gives the period as the least
+common multiple of the layers' own and N. That holds where the blocks counted are
+the stack's layers, one each (transformers' decoder layers, the default units):
+then a period holds a multiple of N blocks, wherever the count starts, and each
+layer is checkpointed as the layer one period on. Where the blocks are counted
+otherwise (several to a layer), the check against the trace one period deeper
+(``periodic``) finds the difference and the whole model is traced.
+
 ``cut(module, stack, depth)`` gives the module with the first ``depth`` layers of
 its stack only, the rest of it shared: a prefix of the model, as a config of fewer
 layers would build it.
@@ -19,10 +28,13 @@ layers would build it.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..engine.choices import nth
 
 # attributes that name a layer's place, not what it does
 INDEX_ATTRS = frozenset(
@@ -41,6 +53,7 @@ class Stack:
     depth: int
     prefix: int
     period: int
+    every: int = 1  # every N-th block checkpointed: part of the period (see above)
 
     @property
     def tail(self) -> int:
@@ -88,13 +101,17 @@ class Stack:
         parts = [f"{self.depth} layers of {self.path or 'the model'}"]
         if self.prefix:
             parts.append(f"the first {self.prefix} unlike the rest")
-        parts.append(f"a period of {self.period}")
+        period = f"a period of {self.period}"
+        if self.every > 1:
+            period += f" (every {nth(self.every)} block checkpointed)"
+        parts.append(period)
         return ", ".join(parts)
 
 
-def find_stack(module: nn.Module) -> Stack | None:
+def find_stack(module: nn.Module, every: int = 1) -> Stack | None:
     """The largest ``ModuleList`` (by parameter elements) and its period; None where
-    the model has none of at least two layers."""
+    the model has none of at least two layers. ``every``: every that many blocks are
+    checkpointed (``choices.layer_period``), a period that multiplies the layers'."""
     lists = [
         (sum(p.numel() for p in m.parameters()), name)
         for name, m in module.named_modules()
@@ -107,7 +124,7 @@ def find_stack(module: nn.Module) -> Stack | None:
     layers = module.get_submodule(path)
     signatures = [_signature(layer) for layer in layers]
     prefix, period = _period(signatures)
-    return Stack(path, len(layers), prefix, period)
+    return Stack(path, len(layers), prefix, math.lcm(period, every), every)
 
 
 def _period(signatures: list) -> tuple[int, int]:

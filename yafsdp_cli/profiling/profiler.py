@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from ..engine.choices import layer_period
 from ..engine.flat import convert_module
 from ..engine.idioms import apply_checkpointing
 from ..engine.losses import batch_logits, loss_for, resolve_loss
@@ -206,7 +207,8 @@ def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Step
     traced, checked against one a period deeper and repeated (``periodic``), where it
     has a stack of layers deep enough to gain; else, or where the check fails, the
     whole model traced."""
-    stack = find_stack(loaded.module) if opts.fake and loaded.module is not None else None
+    every = layer_period(opts.step.checkpointing)
+    stack = find_stack(loaded.module, every) if opts.fake and loaded.module is not None else None
     why = _whole_why(stack, opts)
     if why is None:
         try:

@@ -110,7 +110,7 @@ def summary_section(report: ProfileReport) -> Section:
     ckpt = (
         ""
         if report.checkpointing == "none"
-        else f"; {report.checkpointing} activation checkpointing per unit"
+        else f"; activation checkpointing {report.checkpointing}"
     )
     rows = (
         ("source", report.source),

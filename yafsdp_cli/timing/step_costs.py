@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..engine.choices import layer_period
 from ..engine.idioms import apply_checkpointing
 from ..engine.losses import loss_for
 from ..engine.module_spec import spec_from_module
@@ -92,7 +93,8 @@ def count_step(loaded, opts: ProfileOptions | None = None, *, periodic: bool = T
     ``StepCosts.counted`` says which."""
     opts = opts or ProfileOptions(step=StepOptions(target="cuda"), fake=True)
     module, spec = _source_module(loaded)
-    stack = find_stack(module) if periodic else None
+    every = layer_period(opts.step.checkpointing)
+    stack = find_stack(module, every) if periodic else None
     if stack is not None:
         depths = (stack.traced, stack.checked, stack.checked + stack.period)
         if sum(depths) < stack.depth:
@@ -189,10 +191,14 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
 def _backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` with ``CudaAttention`` still on for recomputed forwards:
     a ``TorchFunctionMode`` is off for the length of a ``Tensor.backward`` call, so
-    the engine is called directly (as ``profiling.profiler`` does, for the same reason)."""
+    the engine is called directly (as ``profiling.profiler`` does, for the same reason).
+    The seed gradient is made with grad off: ``OpCounter`` marks a backward op run with
+    grad on as recomputed forward, and this one is not (its kernel is the same either
+    way)."""
     from torch.autograd.graph import _engine_run_backward
 
-    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    with torch.no_grad():
+        grad = torch.ones_like(loss, memory_format=torch.preserve_format)
     _engine_run_backward(
         (loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
