@@ -167,7 +167,7 @@ def test_peak_by_module_names_the_swiglu_activations(tmp_path):
     lm_head's logits are alive too. Fake and real agree row by row."""
     path = folder(tmp_path, "llama", "bfloat16")
     tokens = 512
-    real, fake = real_and_fake(path, batch=1, seq_len=tokens, modules=50)
+    real, fake = real_and_fake(path, batch=1, seq_len=tokens, modules=50, loss="projection")
     assert_same_step(real, fake)
     step = real.original
     assert step.peak_phase == "forward"

@@ -128,8 +128,7 @@ OptimizerOpt = Annotated[
     str | None,
     typer.Option(
         "--optimizer",
-        help="adamw | adam | sgd | none: the optimizer and its states (inspect's default: "
-        "a DCP checkpoint's own, else adamw).",
+        help="adamw | adam | sgd | none (inspect: a DCP checkpoint's own, else adamw).",
     ),
 ]
 OptimizerImplOpt = Annotated[
@@ -193,8 +192,8 @@ LossOpt = Annotated[
     str | None,
     typer.Option(
         "--loss",
-        help="model | ce | fused-ce | chunked-ce[:N] | projection: the loss the step takes "
-        "(default: the model's own, labels=, where it computes one; else projection).",
+        help="model|ce|fused-ce|chunked-ce[:N]|projection (default: the model's own "
+        "where it has one).",
         metavar="LOSS",
     ),
 ]

@@ -66,9 +66,8 @@ def plan_command(
         str,
         typer.Option(
             "--checkpointing",
-            help="Activation checkpointing to try: none, reentrant, non-reentrant (every "
-            "unit), selective:op (torchtitan's op-level policy), selective:layer=N (every N-th "
-            "unit, counted from 1).",
+            help="Activation checkpointing to try: none, reentrant, non-reentrant, "
+            "selective:op, selective:layer=N (docs/plan.md).",
             metavar="MODE,MODE,...",
         ),
     ] = "none,non-reentrant",
@@ -88,8 +87,8 @@ def plan_command(
             "-j",
             parser=number(1, MAX_JOBS),
             metavar="INTEGER",
-            help="Fake runs at once, a process each (default: as the cores and memory "
-            "allow); any N gives the same plan.",
+            help="Fake runs at once, a process each (default: as the cores allow); any "
+            "N gives the same plan.",
         ),
     ] = None,
     gpu: GpuOpt = None,

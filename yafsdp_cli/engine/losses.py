@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,64 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YafsdpError
+from .choices import Loss, parse_loss
 from .inputs import projection_loss
 
-LOSSES = ("model", "ce", "fused-ce", "chunked-ce", "projection")
 FUSED_CHUNKS = 64
-DEFAULT_CHUNKS = 8
-MAX_CHUNKS = 4096
 # config fields of models whose forward changes the head's output before returning it
 _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-
-
-@dataclass(frozen=True, slots=True)
-class Loss:
-    """A parsed ``--loss``: its kind, and for ``chunked-ce`` its number of chunks."""
-
-    kind: str
-    chunks: int = 0
-
-    @property
-    def name(self) -> str:
-        """As ``--loss`` writes it."""
-        return f"{self.kind}:{self.chunks}" if self.kind == "chunked-ce" else self.kind
-
-    def describe(self, tokens: int | None = None, vocab: int | None = None) -> str:
-        """The loss in words, for a step of ``tokens`` tokens and ``vocab`` logits each
-        where known: what a chunk holds."""
-        if self.kind == "model":
-            return "the model's own loss (labels=)"
-        if self.kind == "ce":
-            return "cross-entropy on the whole logits, float32"
-        if self.kind == "projection":
-            return "projection (output x R).sum(), float32"
-        if self.kind == "fused-ce":
-            return "fused cross-entropy: the whole logits held, their gradient made in the backward"
-        per = ""
-        if tokens:
-            size = -(-tokens // self.chunks)
-            per = f" of {size:,} tokens" + (f" x {vocab:,} logits" if vocab else "")
-        return f"chunked cross-entropy, {self.chunks} chunks{per} made and freed in turn"
-
-
-def parse_loss(text: str | None) -> Loss | None:
-    """``--loss``'s value (None: the model's default, ``resolve_loss``)."""
-    if text is None:
-        return None
-    kind, _, count = text.strip().partition(":")
-    if kind not in LOSSES:
-        raise YafsdpError(f"--loss {text!r} is not one of {' | '.join(LOSSES)} (chunked-ce:N)")
-    if kind != "chunked-ce":
-        if count:
-            raise YafsdpError(f"--loss {text!r}: only chunked-ce takes a count (chunked-ce:N)")
-        return Loss(kind)
-    if not count:
-        return Loss(kind, DEFAULT_CHUNKS)
-    if not count.isdigit() or not 1 <= int(count) <= MAX_CHUNKS:
-        raise YafsdpError(
-            f"--loss {text!r}: the number of chunks must be a whole number from 1 to {MAX_CHUNKS}"
-        )
-    return Loss(kind, int(count))
 
 
 def computes_loss(module: nn.Module) -> bool:

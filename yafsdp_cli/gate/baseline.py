@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.losses import parse_loss
+from ..engine.choices import parse_loss
 from ..errors import YafsdpError
 from ..fileio import read_json
 from ..inspection.build import InspectInputs
@@ -236,7 +236,10 @@ def plan_baseline(path: Path) -> dict[str, Any] | None:
     return doc
 
 
-def _loss(value, where: str) -> str:
+def _loss(value, where: str) -> str | None:
+    """A recorded ``--loss``; null: the model's default."""
+    if value is None:
+        return None
     if not isinstance(value, str):
         raise YafsdpError(f"{where}: step.inputs.loss must be a string like chunked-ce:8")
     parse_loss(value)

@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine import dtypes
-from ..engine.choices import check_checkpointing, check_device, check_optimizer, check_placement
+from ..engine.choices import (
+    check_checkpointing,
+    check_device,
+    check_optimizer,
+    check_placement,
+    parse_loss,
+)
 from ..engine.filters import parse_filter
 from ..engine.finetune import parse_lora
-from ..engine.losses import parse_loss
 from ..engine.packed import check_quantize
 from ..errors import YafsdpError
 from ..numbers import (

@@ -121,7 +121,7 @@ def summary_section(report: ProfileReport) -> Section:
             "step",
             f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step{ckpt}",
         ),
-        ("loss", f"{report.loss}: {report.loss_detail}"),
+        ("loss", report.loss_detail or report.loss),
         (
             "converted",
             f"{report.converted} parameters in {report.flat_buffers} flat buffers, "
