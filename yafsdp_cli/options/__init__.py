@@ -11,7 +11,9 @@ dtypes in ``__post_init__``:
   ``--lora``, ``--quantize``);
 - ``MemoryOptions``: the memory configuration (GPU memory, the memory
   beside the allocator and the margin, allocator rounding and settings, master
-  weights, FSDP2 placement): where a new memory-model input goes.
+  weights, FSDP2 placement): where a new memory-model input goes. Its
+  ``rounding(kernels)`` is the one rounding rule of every command: ``--round-bytes``,
+  else 512 B for CUDA's kernels and 1 B for the CPU's.
 
 Sizes on the command line (``80GiB``; a bare number is an error, ``80GB`` is SI and
 echoed in GiB) are parsed in ``sizes``, with the reserve's check that names the
@@ -30,6 +32,7 @@ engine's torch-free choices only; every command room imports it.
 from __future__ import annotations
 
 from .pieces import (
+    CUDA_ROUND_BYTES,
     DEFAULT_MARGIN,
     OUTSIDE_PARTS,
     LayoutOptions,
@@ -42,6 +45,7 @@ from .sizes import check_reserve, parse_size, si_echo
 from .training_dtype import DEFAULT_TRAINING_DTYPE, TrainingDtype, training_dtype
 
 __all__ = [
+    "CUDA_ROUND_BYTES",
     "DEFAULT_MARGIN",
     "OUTSIDE_PARTS",
     "DEFAULT_TRAINING_DTYPE",

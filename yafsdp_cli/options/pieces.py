@@ -24,6 +24,9 @@ from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
 from .sizes import OUTSIDE_PARTS
 
 GiB = 1024**3
+# CUDA's caching allocator hands out multiples of 512 bytes; a CPU storage holds its
+# own bytes. One rule for every command (``MemoryOptions.rounding``).
+CUDA_ROUND_BYTES = 512
 # The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:
 # the reserved-memory model's predictions on the H200 runs span x0.991 to x1.026 of
 # torch.cuda.max_memory_reserved (benchmarks/gpu/reserved-h200.log), so 3% of a GPU
@@ -144,7 +147,7 @@ class MemoryOptions:
     outside: tuple[tuple[str, int], ...] = ()  # (part, bytes): context, cublas, cublaslt, nccl
     margin: int | None = None  # bytes the best plan keeps free; None: DEFAULT_MARGIN of the GPU
     master_weights: bool | None = None  # float32 masters; None: on for 16-bit parameters
-    round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
+    round_bytes: int | None = None  # allocator rounding; None: ``rounding``'s rule
     fsdp_placement: str = "dim0"  # what the FSDP2 column models: dim0 | auto
     alloc_conf: str | None = None  # the allocator replay's settings; None: PYTORCH_CUDA_ALLOC_CONF
 
@@ -176,6 +179,15 @@ class MemoryOptions:
         check_placement(self.fsdp_placement)
         if self.alloc_conf is not None:
             parse_alloc_conf(self.alloc_conf, ALLOC_CONF_FLAG)  # fails before any step runs
+
+    def rounding(self, kernels: str) -> int:
+        """Every storage's rounding for a step of ``kernels`` (``StepOptions.kernels``):
+        ``round_bytes`` where given (``--round-bytes``), else 512 B for CUDA's kernels
+        (its caching allocator) and 1 B for the CPU's. Plan, profile and check's fake
+        step all ask this, so one cell reads the same bytes in each."""
+        if self.round_bytes is not None:
+            return self.round_bytes
+        return CUDA_ROUND_BYTES if kernels == "cuda" else 1
 
     @property
     def margin_bytes(self) -> int:

@@ -259,7 +259,7 @@ def _report(loaded, opts, seq_len, rows, runner, start, fit) -> PlanReport:
         source=loaded.spec.source,
         gpu_memory_bytes=opts.memory.gpu_memory,
         reserve_bytes=opts.memory.reserve,
-        round_bytes=opts.memory.round_bytes,
+        round_bytes=opts.round_bytes,
         seq_len=seq_len,
         param_dtype=opts.step.param_dtype or "as stored",
         grad_dtype=cfg.grad_dtype or "the parameters' dtype",

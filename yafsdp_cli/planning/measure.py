@@ -88,7 +88,7 @@ def _step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
             ),
             # the step's own rounding; the plan's GPU and allocator settings are applied
             # to its trace afterwards (``reserved_fit``)
-            memory=MemoryOptions(round_bytes=opts.memory.round_bytes),
+            memory=MemoryOptions(round_bytes=opts.round_bytes),
             fake=True,
         ),
         steps=steps,

@@ -50,7 +50,6 @@ from .profile_report import CudaMemory, ProfileReport, StepProfile
 from .shard_sizes import RecordedStep, ShardTags
 from .tracker import StorageTracker
 
-CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
 # progress(stage, done, total): called as each stage starts (for a progress bar)
 STAGES = ("building the model", "original step", "converting", "converted step")
 
@@ -320,9 +319,7 @@ def _substitutes_cuda(opts: ProfileOptions) -> bool:
 
 
 def _rounding(opts: ProfileOptions) -> int:
-    if opts.memory.round_bytes is not None:
-        return opts.memory.round_bytes
-    return CUDA_ROUND if opts.kernels == "cuda" else 1
+    return opts.memory.rounding(opts.kernels)
 
 
 def _optimizer_impl(opts: ProfileOptions) -> str:
@@ -558,8 +555,9 @@ def _notes(
         used = ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())) or "none called"
         notes.append(
             "--target cuda without a GPU: attention accounted as CUDA's sdpa kernels save it "
-            f"({used}; sm80+, default backend order), storages rounded to 512 B as CUDA's "
-            "caching allocator does, the optimizer's CUDA default (foreach); kernel "
+            f"({used}; sm80+, default backend order), storages rounded to "
+            f"{_rounding(opts)} B (CUDA's caching allocator: 512), the optimizer's CUDA "
+            "default (foreach); kernel "
             "workspaces are not counted (see docs/profile.md)"
         )
     if opts.step.param_dtype:
