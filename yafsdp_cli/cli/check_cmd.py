@@ -16,6 +16,7 @@ from .flags import (
     ExcludeOpt,
     FilterOpt,
     FreezeOpt,
+    GradAccumOpt,
     GradDtypeOpt,
     JsonOpt,
     LoraOpt,
@@ -87,6 +88,7 @@ def check_command(
         bool, typer.Option("--no-step", help="Gate the memory model only; no fake step.")
     ] = False,
     batch: BatchOpt = None,
+    grad_accum: GradAccumOpt = None,
     seq_len: SeqLenOpt = None,
     checkpointing: CheckpointingOpt = None,
     filters: FilterOpt = None,
@@ -115,7 +117,8 @@ def check_command(
     fake training step (peak by category and phase, saved activations by module).
     Create the baseline once with --update (commit it), then run the same command
     without --update in CI. Options the baseline records (layout, dtypes, optimizer,
-    the step's batch, length and checkpointing) default to what it recorded.
+    the step's batch, micro-batches, length and checkpointing) default to what it
+    recorded.
     """
     with errors_to_exit():
         check_html_path(html, source, baseline)
@@ -153,6 +156,7 @@ def check_command(
                     quantize=quantize,
                     optimizer=optimizer,
                     batch=batch,
+                    grad_accum=grad_accum,
                     seq_len=seq_len,
                     checkpointing=checkpointing,
                 ),

@@ -6,7 +6,8 @@ dtypes in ``__post_init__``:
 - ``LayoutOptions``: which parameters become flat buffers and how they are laid out
   (filters, excludes, units, world size, alignment);
 - ``StepOptions``: the training step (optimizer and its implementation, batch,
-  sequence length, input shape, seed, device, kernels' target, activation
+  sequence length, micro-batches accumulated per optimizer step (``grad_accum``),
+  input shape, seed, device, kernels' target, activation
   checkpointing, parameter and gradient dtypes, and what trains: ``--freeze``,
   ``--lora``, ``--quantize``);
 - ``MemoryOptions``: the memory configuration (GPU memory, the memory

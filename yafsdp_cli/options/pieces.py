@@ -13,6 +13,7 @@ from ..errors import YafsdpError
 from ..numbers import (
     MAX_BYTES,
     MAX_COUNT,
+    MAX_GRAD_ACCUM,
     MAX_ROUND_BYTES,
     MAX_SEED,
     MAX_SEQ_LEN,
@@ -80,6 +81,9 @@ class StepOptions:
 
     batch: int = 2  # samples per micro-batch
     seq_len: int | None = 16  # tokens per sample; None: the model's context length
+    # micro-batches per optimizer step (gradient accumulation): each a forward and a
+    # backward, the gradients held from the first backward on, then one optimizer step
+    grad_accum: int = 1
     input_shape: tuple[int, ...] | None = None  # None: from the model kind
     seed: int = 0  # of the inputs and the loss
     device: str = "cpu"  # cpu | cuda: where the step runs
@@ -105,6 +109,7 @@ class StepOptions:
         check_quantize(self.quantize)
         check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
         check_at_least("batch", self.batch)
+        check_at_least("grad-accum", self.grad_accum, maximum=MAX_GRAD_ACCUM)
         check_at_least("seq-len", self.seq_len, maximum=MAX_SEQ_LEN)
         checked(self.seed, "--seed", 0, MAX_SEED, whole=True)
         if self.input_shape is not None:

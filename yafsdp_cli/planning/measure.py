@@ -121,7 +121,7 @@ def _collector_paused():
 
 
 def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
-    phase_peaks, breakdowns = events.phase_peaks()
+    phase_peaks, breakdowns, _ = events.phase_peaks()
     figures = dict(phase_peaks)
     for p, b in breakdowns.items():
         figures[HELD + p] = b.parameters + b.gradients + b.optimizer + b.buffers
