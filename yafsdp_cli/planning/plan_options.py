@@ -54,8 +54,9 @@ class PlanOptions:
     """``memory.gpu_memory`` (bytes per GPU) is required unless a GPU is named;
     ``world_sizes`` None: 1, 2, 4, ... up to what is needed; ``step.seq_len`` None: the
     model's context length, else 2048; ``step.target``: whose kernels the fake steps
-    account (see profile --target). The step piece's batch and checkpointing are the
-    grid's (``micro_batches``, ``checkpointing``), its world size ``world_sizes``."""
+    account (see profile --target); ``step.grad_accum``: the micro-batches every cell's
+    step runs before its optimizer step. The step piece's batch and checkpointing are
+    the grid's (``micro_batches``, ``checkpointing``), its world size ``world_sizes``."""
 
     layout: LayoutOptions = LayoutOptions()
     step: StepOptions = PLAN_STEP
@@ -190,6 +191,7 @@ SAVED = (
     "gpu_memory",
     "world_sizes",
     "micro_batches",
+    "grad_accum",
     "checkpointing",
     "seq_len",
     "reserve",
