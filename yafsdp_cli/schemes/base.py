@@ -41,6 +41,9 @@ class Collectives:
     # what one collective is: a flat buffer ("buffers"), a unit's parameters as FSDP2
     # places them ("placement"), or a unit's gradients unpadded ("unit_grads")
     sized_by: Literal["buffers", "placement", "unit_grads"]
+    # with gradient accumulation: gradients reduced in every micro-batch (and the
+    # reduced ones accumulated), or held unreduced and reduced once, in the last
+    reduce_every_micro_batch: bool = True
 
 
 @dataclass(frozen=True)

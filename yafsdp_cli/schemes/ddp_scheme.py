@@ -36,7 +36,12 @@ DDP = Ddp(
     name="ddp",
     label="DDP",
     holds=Holds(params=WHOLE, grads=WHOLE, optimizer=WHOLE),
-    collectives=Collectives(gathers_params=False, reduces="all_reduce", sized_by="unit_grads"),
+    collectives=Collectives(
+        gathers_params=False,
+        reduces="all_reduce",
+        sized_by="unit_grads",
+        reduce_every_micro_batch=False,  # no_sync() until the last micro-batch
+    ),
     inspect_key="ddp",
     timing_key="ddp",
 )

@@ -86,7 +86,7 @@ class OpCost:
     """One kernel of a step: what it computes and moves."""
 
     name: str  # "aten.mm.default"
-    phase: str  # forward | backward | optimizer
+    phase: str  # forward | backward | optimizer | later_forward | later_backward
     dtype: str  # of the first tensor input: the matrix FLOPs' precision
     matrix_flops: int  # what the kernel computes (causal attention: half)
     model_flops: int  # useful matrix work (no recompute, full attention)
@@ -108,7 +108,7 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.phase is not None and launches_kernel(func):
-            recompute = self.phase == "backward" and torch.is_grad_enabled()
+            recompute = self.phase.endswith("backward") and torch.is_grad_enabled()
             self.costs.append(op_cost(func, args, kwargs, out, self.phase, recompute))
         return out
 
