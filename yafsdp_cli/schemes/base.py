@@ -90,6 +90,16 @@ class Scheme:
         """What the scheme's ``plan --scheme`` rows assume, in its own terms."""
         raise NotImplementedError(self.name)
 
+    def unsynced(self, phase: str, m, whole_grads: int) -> int | None:
+        """With gradient accumulation and gradient sync switched off until the last
+        micro-batch: the bytes one rank holds at ``phase``'s peak beyond what it holds
+        with sync on (``m``: its ``memory`` breakdown above world size 1;
+        ``whole_grads``: every gradient whole). None where the scheme has no such
+        switch: its rows are the way it accumulates (the flat runtime reduce-scatters
+        every micro-batch; DDP's ``no_sync()`` keeps whole gradients, as it always
+        does)."""
+        return None
+
 
 def at_reference(m, step) -> int:
     """The scheme's bytes standing where the reference step's model bytes stood."""
