@@ -180,6 +180,8 @@ def _written(path: Path, current) -> str:
     text = f"wrote baseline {path} (flat {human_bytes(current.memory.flat_bytes)} per rank"
     if current.step is not None:
         text += f"; fake step peak {human_bytes(current.step.peak_total)}, {current.step.batch}"
+        accum = current.step.inputs.grad_accum
+        text += f", {accum} micro-batches per optimizer step" if accum > 1 else ""
     text += ")"
     return "; ".join([text, *(f"skipped: {s}" for s in current.skipped)])
 
