@@ -10,7 +10,9 @@ included). With gradient accumulation (``grad_accum`` above 1) a second micro-ba
 is counted between the backward and the optimizer step, as ``LATER`` phases: every
 micro-batch after the first runs its kernels, and adds its gradients into the ones
 held (``AccumulateGrad``'s adds, the float32 masters' with ``--grad-dtype float32``),
-which the first does not; ``step_estimate`` times it once per later micro-batch.
+which the first does not: those adds are the ``ACCUMULATE`` phase, since a sharded
+rank makes them on its shards alone; ``step_estimate`` times a later micro-batch
+once per later micro-batch.
 The model is the original one on one GPU: sharding moves bytes between ranks
 (``comm_volume``), it does not change a rank's kernels, except the optimizer step,
 which each rank takes on its own share (``step_estimate``).
@@ -49,8 +51,10 @@ from .op_costs import OpCost, OpCounter
 from .periodic_costs import extrapolate
 
 PHASES = ("forward", "backward", "optimizer")
-# the forward and backward of a micro-batch after the first (``grad_accum`` above 1)
+# the forward and backward of a micro-batch after the first (``grad_accum`` above 1),
+# and its adds into the gradients held
 LATER = ("later_forward", "later_backward")
+ACCUMULATE = "accumulate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +184,8 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
     if masters is not None:
         masters.after_backward()  # the first micro-batch's hand-over, once a step
     if opts.step.grad_accum > 1:
+        held = [p.grad for p in [*params, *stepped] if p.grad is not None]
+        counter.held, counter.held_phase = frozenset(map(id, held)), ACCUMULATE
         _micro_batch(model, batch, opts, counter, LATER)
         if masters is not None:
             masters.after_backward()  # a later micro-batch's: adds in float32

@@ -26,8 +26,11 @@
 - ``step_s = forward + backward + exposed communication + optimizer``;
 - with gradient accumulation (``StepCosts.grad_accum`` = N above 1) a step is N
   micro-batches and one optimizer step: the first micro-batch's forward and backward,
-  then N - 1 times a later one's (its own kernels, counted: the gradient adds
-  included), each with its exposed communication; the optimizer once. Parameters are
+  then N - 1 times a later one's (its own kernels, counted, and its adds into the
+  gradients held, on this rank's share of them as the optimizer's kernels are: its
+  shards where the scheme reduces every micro-batch into sharded gradients, all of
+  them where it holds them whole), each with its exposed communication; the
+  optimizer once. Parameters are
   all-gathered in every micro-batch; gradients reduced in every micro-batch where
   the scheme does (``Collectives.reduce_every_micro_batch``: the flat runtime and
   FSDP2 with gradient sync on, the default), else once, in the last (DDP's
@@ -53,7 +56,7 @@ from ..schemes import FLAT, WHOLE, Scheme
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, unit_order
 from .gpu_specs import GpuSpec
 from .roofline import Efficiency, PhaseTime, phase_time
-from .step_costs import LATER, StepCosts
+from .step_costs import ACCUMULATE, LATER, StepCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +118,7 @@ def estimate_step(
     accum = costs.grad_accum
     per_step = [accum if every or c.kind == "all_gather" else 1 for c in found]
     exposed = _exposed(layout, found, times, fwd.seconds, bwd.seconds)
-    later_fwd, later_bwd = _later(costs, phases)
+    later_fwd, later_bwd = _later(costs, phases, eff, _held_share(layout, scheme, costs, every))
     if accum > 1:
         mine = [(c, t) for c, t, k in zip(found, times, per_step) if k == accum]
         found_later, times_later = [c for c, _ in mine], [t for _, t in mine]
@@ -143,11 +146,26 @@ def estimate_step(
     )
 
 
-def _later(costs: StepCosts, phases) -> tuple[float, float]:
-    """A later micro-batch's forward and backward seconds (none with one micro-batch)."""
+def _later(costs: StepCosts, phases, eff: Efficiency, share: float) -> tuple[float, float]:
+    """A later micro-batch's forward and backward seconds (none with one micro-batch);
+    its adds into the gradients held (``ACCUMULATE``), above the launch floor, scaled
+    by ``share``, the part of them this rank holds."""
     if costs.grad_accum == 1:
         return 0.0, 0.0
-    return phases[LATER[0]].seconds, phases[LATER[1]].seconds
+    adds = phases[ACCUMULATE]
+    floor = adds.kernels * eff.kernel_floor_s
+    return phases[LATER[0]].seconds, phases[LATER[1]].seconds + (
+        adds.seconds - floor
+    ) * share + floor
+
+
+def _held_share(layout: Layout, scheme: Scheme, costs: StepCosts, every: bool) -> float:
+    """The part of the gradients a rank holds between micro-batches: its shards' where
+    the scheme shards gradients and reduces every micro-batch, else all of them
+    (DDP; FSDP2 with gradient sync off holds them unsharded)."""
+    if scheme.holds.grads == WHOLE or not every:
+        return 1.0
+    return _stepped_share(layout, scheme, costs)
 
 
 def _model_flops(costs: StepCosts) -> int:
@@ -158,7 +176,8 @@ def _model_flops(costs: StepCosts) -> int:
 
 def phase_times(costs: StepCosts, gpu: GpuSpec, eff: Efficiency) -> dict[str, PhaseTime]:
     """Each phase's kernels on the roofline (a later micro-batch's too, where counted)."""
-    phases = ("forward", "backward", "optimizer", *(LATER if costs.grad_accum > 1 else ()))
+    later = (*LATER, ACCUMULATE) if costs.grad_accum > 1 else ()
+    phases = ("forward", "backward", "optimizer", *later)
     return {p: phase_time(costs.ops, p, gpu, eff) for p in phases}
 
 
