@@ -105,7 +105,8 @@ def profile_command(
             "--trace",
             metavar="periodic|whole",
             help="--fake: trace one period of the layer stack and repeat it, checked "
-            "against a trace one period deeper (periodic), or trace every layer (whole).",
+            "against a trace one period deeper, and three micro-batches of --grad-accum "
+            "(periodic), or trace every layer and micro-batch (whole).",
         ),
     ] = "periodic",
     alloc_conf: AllocConfOpt = None,
