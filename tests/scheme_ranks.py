@@ -2,7 +2,8 @@
 
 Each rank trains a tiny transformers model for three steps under a real engine over
 gloo, ``fully_shard`` (every decoder block, then the root) or
-``DistributedDataParallel``, with foreach AdamW, and measures the third with
+``DistributedDataParallel``, with foreach AdamW, and measures the third (of
+``grad_accum`` micro-batches, gradient sync on in each or only in the last) with
 the profiler's ``StorageTracker``: every storage the step's ops make, when it is
 freed, and ``resize_`` (FSDP2 frees and refills its unsharded parameters that way).
 Two warm-up steps come first: the first creates the optimizer states (the plan's
@@ -46,6 +47,10 @@ class StepJob:
     batch: int
     seq_len: int
     reshard_after_forward: bool = True
+    # the measured step's micro-batches; gradient sync (FSDP2's
+    # set_requires_gradient_sync, DDP's no_sync) off until the last one where False
+    grad_accum: int = 1
+    sync: bool = True
 
 
 @dataclass(frozen=True)
@@ -211,11 +216,13 @@ def _run_step(job: StepJob) -> StepPeak:
     tracker.assign(states, "optimizer")
     tracker.assign([ids], "activations")
     with tracker:
-        tracker.set_phase("forward")
-        loss = wrapped(input_ids=ids, labels=ids).loss
-        tracker.set_phase("backward")
-        loss.backward()
-        del loss
+        for m in range(job.grad_accum):
+            with _sync(wrapped, job, last=m == job.grad_accum - 1):
+                tracker.set_phase("forward")
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                tracker.set_phase("backward")
+                loss.backward()
+                del loss
         tracker.assign(
             [_local(p.grad) for p in model.parameters() if p.grad is not None], "gradients"
         )
@@ -226,6 +233,16 @@ def _run_step(job: StepJob) -> StepPeak:
     return StepPeak(
         timeline.peak.total, timeline.peak_phase, dict(timeline.phase_peaks), tracker.stray_frees
     )
+
+
+def _sync(wrapped, job: StepJob, last: bool):
+    """Gradient sync for one micro-batch: on where the job syncs every micro-batch or
+    this is the last; else DDP's ``no_sync()``, FSDP2's sync switched off."""
+    on = job.sync or last
+    if job.scheme == "ddp":
+        return contextlib.nullcontext() if on else wrapped.no_sync()
+    wrapped.set_requires_gradient_sync(on)
+    return contextlib.nullcontext()
 
 
 def rank_main(rank: int, world: int, tmp: str, jobs: list[StepJob]) -> None:

@@ -20,7 +20,10 @@ product of them overflows what is computed with them (int64 tensor sizes, floats
   ``MAX_BYTES_PER_S``, 1e15 bytes/s (HBM3e: about 5e12): the rates of a GPU profile
   and ``--network``; at least ``MIN_RATE``, a thousand per second, since a time is
   a count divided by a rate and ``1e-300`` would make it infinite;
-- ``MAX_TOKENS``, 1e18: tokens to train on (about 1e14 for the largest runs).
+- ``MAX_TOKENS``, 1e18: tokens to train on (about 1e14 for the largest runs);
+- ``MAX_GRAD_ACCUM``, 1024 micro-batches accumulated per optimizer step: the fake
+  step writes every micro-batch's events, so what it costs grows with them, and a
+  global batch of the largest runs takes a few hundred micro-batches per rank at most.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .errors import YafsdpError, printable
 
 MAX_BYTES = 1 << 60
 MAX_COUNT = 1 << 20
+MAX_GRAD_ACCUM = 1 << 10
 MAX_SEQ_LEN = 1 << 24
 MAX_FLOPS = 1e18
 MAX_BYTES_PER_S = 1e15

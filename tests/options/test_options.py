@@ -82,7 +82,9 @@ def test_replace_pickle_and_recorded_round_trip():
         micro_batches=(1, 2),
     )
     assert plan.step.param_dtype == "bfloat16" and plan.step.target == "cuda"
-    assert plan.memory.round_bytes == 512
+    assert plan.memory.round_bytes is None and plan.round_bytes == 512  # CUDA's kernels
+    on_cpu = dataclasses.replace(plan, step=dataclasses.replace(plan.step, target="cpu"))
+    assert on_cpu.round_bytes == 1 and on_cpu.memory_config().round_bytes == 1
     assert PlanOptions.from_recorded(plan.recorded()) == plan
     assert list(plan.recorded())[:3] == ["gpu_memory", "world_sizes", "micro_batches"]
     with pytest.raises(TypeError, match="no option nope"):
@@ -99,6 +101,8 @@ def test_a_saved_plan_records_fields_of_the_pieces_and_the_plan():
 def test_command_defaults_differ_where_the_commands_do():
     assert InspectOptions().step.optimizer is None and InspectOptions().memory.round_bytes == 512
     assert ProfileOptions().memory.round_bytes is None
+    assert MemoryOptions().rounding("cpu") == 1 and MemoryOptions().rounding("cuda") == 512
+    assert MemoryOptions(round_bytes=64).rounding("cuda") == 64
     assert ProfileOptions(step=StepOptions(target="cuda")).kernels == "cuda"
     assert PlanOptions(memory=MemoryOptions(gpu_memory=2**32)).step.seq_len is None
     assert VerifyOptions().step.optimizer_impl == "for-loop"

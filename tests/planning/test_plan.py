@@ -190,6 +190,30 @@ def test_plan_bad_input_is_one_line_exit_2(args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("target", "rounding"), [("cpu", 1), ("cuda", 512)])
+def test_plan_and_profile_round_every_storage_by_one_rule(target, rounding):
+    """One cell, planned and profiled: the same rounding (1 B for the CPU's kernels,
+    512 B for CUDA's) and so the same peak, to the byte."""
+    model = ["sample_models/gpt.safetensors", "--model", "sample_models.models:gpt"]
+    step = ["--target", target, "--seq-len", "16", "--param-dtype", "bf16"]
+    plan = runner.invoke(
+        app,
+        ["plan", *model, *step, "--gpu-memory", "1TiB", "--world-size", "2"]
+        + ["--micro-batch", "2", "--checkpointing", "none", "--json"],
+    )
+    assert plan.exit_code == 0, plan.output
+    profile = runner.invoke(
+        app,
+        ["profile", *model, *step, "--fake", "-n", "2", "--batch", "2"]
+        + ["--optimizer-impl", "foreach", "--json"],
+    )
+    assert profile.exit_code == 0, profile.output
+    planned, profiled = json.loads(plan.stdout), json.loads(profile.stdout)
+    assert planned["round_bytes"] == profiled["round_bytes"] == rounding
+    (row,) = planned["rows"]
+    assert row["peak_bytes"] == sum(profiled["converted"]["peak"].values())
+
+
 def test_sizes_and_lists_parse():
     assert parse_size("80GiB", "--gpu-memory") == 80 * 2**30
     assert parse_size("80G", "--gpu-memory") == 80 * 2**30

@@ -215,5 +215,9 @@ def test_phase_peaks_alone_equal_the_replays(sample_name, kw):
     profile_converted(loaded(sample_name), options(ProfileOptions, fake=True, **kw), steps=steps)
     events = steps["converted"].events
     timeline = events.replay()
-    assert events.phase_peaks() == (timeline.phase_peaks, timeline.phase_breakdowns)
+    assert events.phase_peaks() == (
+        timeline.phase_peaks,
+        timeline.phase_breakdowns,
+        timeline.phase_micro_batches,
+    )
     assert set(timeline.phase_peaks) == {"forward", "backward", "optimizer"}

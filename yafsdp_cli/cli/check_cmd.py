@@ -16,6 +16,7 @@ from .flags import (
     ExcludeOpt,
     FilterOpt,
     FreezeOpt,
+    GradAccumOpt,
     GradDtypeOpt,
     JsonOpt,
     LoraOpt,
@@ -88,6 +89,7 @@ def check_command(
         bool, typer.Option("--no-step", help="Gate the memory model only; no fake step.")
     ] = False,
     batch: BatchOpt = None,
+    grad_accum: GradAccumOpt = None,
     seq_len: SeqLenOpt = None,
     checkpointing: CheckpointingOpt = None,
     loss: LossOpt = None,
@@ -117,7 +119,8 @@ def check_command(
     fake training step (peak by category and phase, saved activations by module).
     Create the baseline once with --update (commit it), then run the same command
     without --update in CI. Options the baseline records (layout, dtypes, optimizer,
-    the step's batch, length and checkpointing) default to what it recorded.
+    the step's batch, micro-batches, length and checkpointing) default to what it
+    recorded.
     """
     with errors_to_exit():
         check_html_path(html, source, baseline)
@@ -155,6 +158,7 @@ def check_command(
                     quantize=quantize,
                     optimizer=optimizer,
                     batch=batch,
+                    grad_accum=grad_accum,
                     seq_len=seq_len,
                     checkpointing=checkpointing,
                     loss=loss,
@@ -179,6 +183,8 @@ def _written(path: Path, current) -> str:
     text = f"wrote baseline {path} (flat {human_bytes(current.memory.flat_bytes)} per rank"
     if current.step is not None:
         text += f"; fake step peak {human_bytes(current.step.peak_total)}, {current.step.batch}"
+        accum = current.step.inputs.grad_accum
+        text += f", {accum} micro-batches per optimizer step" if accum > 1 else ""
     text += ")"
     return "; ".join([text, *(f"skipped: {s}" for s in current.skipped)])
 

@@ -20,6 +20,7 @@ from ..errors import YafsdpError
 from ..gpu_table import NAMES as GPU_NAMES
 from ..numbers import (
     MAX_COUNT,
+    MAX_GRAD_ACCUM,
     MAX_SEED,
     MAX_SEQ_LEN,
     from_text,
@@ -142,6 +143,15 @@ BatchOpt = Annotated[
     int,
     typer.Option(
         "--batch", parser=COUNT, metavar="INTEGER", help="Batch size of each micro-batch."
+    ),
+]
+GradAccumOpt = Annotated[
+    int,
+    typer.Option(
+        "--grad-accum",
+        parser=number(1, MAX_GRAD_ACCUM),
+        metavar="N",
+        help="Micro-batches per optimizer step (gradient accumulation).",
     ),
 ]
 SeqLenOpt = Annotated[
@@ -377,6 +387,7 @@ def step_given(
     optimizer: str | None = None,
     optimizer_impl: str | None = None,
     batch: int | None = None,
+    grad_accum: int | None = None,
     seq_len: int | None = None,
     input_shape: str | None = None,
     seed: int | None = None,
@@ -396,6 +407,7 @@ def step_given(
             "optimizer": optimizer,
             "optimizer_impl": optimizer_impl,
             "batch": batch,
+            "grad_accum": grad_accum,
             "seq_len": seq_len,
             "input_shape": parse_shape(input_shape),
             "seed": seed,

@@ -19,6 +19,7 @@ from .flags import (
     FreezeOpt,
     GpuMemoryOpt,
     GpuOpt,
+    GradAccumOpt,
     GradDtypeOpt,
     JsonOpt,
     LoraOpt,
@@ -62,6 +63,7 @@ def plan_command(
     micro_batch: Annotated[
         str, typer.Option("--micro-batch", help="Micro-batch sizes.", metavar="N,N,...")
     ] = "1,2,4,8",
+    grad_accum: GradAccumOpt = 1,
     checkpointing: Annotated[
         str,
         typer.Option(
@@ -171,6 +173,7 @@ def plan_command(
             step=step_from(
                 PLAN_STEP,
                 seq_len=seq_len,
+                grad_accum=grad_accum,
                 param_dtype=param_dtype,
                 grad_dtype=grad_dtype,
                 freeze=freeze,

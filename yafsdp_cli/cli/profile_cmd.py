@@ -21,6 +21,7 @@ from .flags import (
     FilterOpt,
     FormatOpt,
     FreezeOpt,
+    GradAccumOpt,
     GradDtypeOpt,
     InputShapeOpt,
     JsonOpt,
@@ -66,6 +67,7 @@ def profile_command(
     world_size: WorldSizeOpt = 1,
     align: AlignOpt = "yafsdp",
     batch: BatchOpt = 2,
+    grad_accum: GradAccumOpt = 1,
     seq_len: SeqLenOpt = 16,
     input_shape: InputShapeOpt = None,
     seed: SeedOpt = 0,
@@ -105,7 +107,8 @@ def profile_command(
             "--trace",
             metavar="periodic|whole",
             help="--fake: trace one period of the layer stack and repeat it, checked "
-            "against a trace one period deeper (periodic), or trace every layer (whole).",
+            "against a trace one period deeper, and three micro-batches of --grad-accum "
+            "(periodic), or trace every layer and micro-batch (whole).",
         ),
     ] = "periodic",
     alloc_conf: AllocConfOpt = None,
@@ -143,6 +146,7 @@ def profile_command(
                 optimizer=optimizer,
                 optimizer_impl=optimizer_impl,
                 batch=batch,
+                grad_accum=grad_accum,
                 seq_len=seq_len,
                 input_shape=input_shape,
                 seed=seed,

@@ -12,7 +12,12 @@ that own flat buffers, the root for the root unit):
   FSDP's root does);
 - the whole buffer's gradient (the engine writes it into ``FlatBuffer.grad``)
   is reduce-scattered into the shard's ``.grad`` (added to it after the first
-  micro-batch) and dropped. With ``LocalComm`` this happens as soon as every
+  micro-batch) and dropped. So with gradient accumulation a rank holds its reduced
+  shards between micro-batches, never a whole gradient (as FSDP2 with gradient sync
+  on: a reduce-scatter per micro-batch), and a whole unit's gradient only while its
+  backward ends. ``zero_grad`` by either door (``ShardedFlat.zero_grad``, or the
+  optimizer's over ``parameters()``: a shard's ``.grad`` is ``None`` or zeros) starts
+  the next step from nothing. With ``LocalComm`` this happens as soon as every
   trainable entry has its gradient for this backward, and the parameters are freed
   then too: every autograd node that reads them has run, since each one produced
   one of those gradients. With ``DistComm`` it happens in ``finish_backward()``, for
@@ -21,8 +26,10 @@ that own flat buffers, the root for the root unit):
   ``finish_backward()`` also flushes buffers with entries that got no gradient,
   and frees what is still gathered;
 - parameters that were not converted stay whole on every rank; their gradients
-  are summed over ranks after each backward (``finish_backward``) and given back
-  for the optimizer step by ``before_step()``.
+  are summed over ranks after each backward (``finish_backward``), accumulated over
+  the step's micro-batches, and handed over for the optimizer step by
+  ``before_step()``: from then on the parameter's ``.grad`` holds them, so the
+  optimizer's ``zero_grad`` ends the step for them too.
 
 The optimizer steps on ``parameters()``: the shards and the unconverted ones.
 A rank's AdamW over its shards loads its part of a flat checkpoint and saves its
@@ -287,10 +294,13 @@ class ShardedFlat:
             p.grad = None
 
     def before_step(self) -> None:
-        """Give the unconverted parameters their summed gradients (N processes)."""
+        """Give the unconverted parameters their summed gradients (N processes). They
+        are handed over, not kept: the next micro-batch's sum starts from nothing,
+        whichever way the step's gradients are zeroed (an optimizer's ``zero_grad``
+        reaches ``p.grad`` alone)."""
         for name, p in self.kept_parameters():
             if name in self._kept_acc:
-                p.grad = self._kept_acc[name]
+                p.grad = self._kept_acc.pop(name)
 
     def zero_grad(self) -> None:
         for p in self.parameters():

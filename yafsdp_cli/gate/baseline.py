@@ -9,8 +9,9 @@ A baseline (``yafsdp.baseline/2``) records
   options model's layout, step and memory pieces, which ``recorded_options`` rebuilds;
 - ``memory``: the memory model's per-rank figures (``MemoryFigures``);
 - ``step``: where the source has an architecture, a fake training step
-  (``StepFigures``, its step piece's batch, length, checkpointing and optimizer in
-  ``StepInputs``), else ``None`` with the reason in ``skipped``.
+  (``StepFigures``, its step piece's batch, micro-batches per optimizer step,
+  length, checkpointing and optimizer in ``StepInputs``), else ``None`` with the
+  reason in ``skipped``.
 
 A ``yafsdp.inspect/1`` document (what ``check --update`` wrote before) is still a
 baseline: its memory figures are checked and the step is reported as skipped. A
@@ -39,7 +40,7 @@ from ..errors import YafsdpError
 from ..fileio import read_json
 from ..inspection.build import InspectInputs
 from ..inspection.inspect_options import InspectOptions
-from ..numbers import MAX_BYTES, MAX_COUNT, MAX_SEQ_LEN, checked
+from ..numbers import MAX_BYTES, MAX_COUNT, MAX_GRAD_ACCUM, MAX_SEQ_LEN, checked
 from ..options import StepOptions
 from ..schemes import FLAT
 
@@ -93,12 +94,15 @@ class StepInputs:
     # as --loss names it; a baseline written before the step took other losses than
     # the projection records none, and was measured with the projection
     loss: str | None = None
+    # micro-batches per optimizer step; 1 in baselines written before it was recorded
+    grad_accum: int = 1
 
     def step_options(self) -> StepOptions:
         """The step piece these record (validated)."""
         return StepOptions(
             optimizer=self.optimizer,
             batch=self.batch,
+            grad_accum=self.grad_accum,
             seq_len=self.seq_len,
             checkpointing=self.checkpointing,
             loss=self.loss,
@@ -309,6 +313,13 @@ def _parse_step(doc: dict, where: str = "baseline:") -> StepFigures:
             world_size=_whole(inputs["world_size"], where, "step.inputs.world_size", MAX_COUNT),
             optimizer=str(inputs["optimizer"]),
             loss=_loss(inputs.get("loss", "projection"), where),
+            grad_accum=checked(
+                inputs.get("grad_accum", 1),
+                f"{where} step.inputs.grad_accum",
+                1,
+                MAX_GRAD_ACCUM,
+                whole=True,
+            ),
         ),
         batch=str(doc["batch"]),
         peak=peak,

@@ -58,7 +58,8 @@ class CheckRequest:
     step_tolerance: float | None = None  # None: --tolerance if given, else STEP_TOLERANCE
     min_bytes: int | None = None  # None: MIN_BYTES, for the memory model's and the step's
     # the fields of each piece given (the rest: as the baseline recorded them); of the
-    # step, the memory model's and the fake step's batch, seq_len and checkpointing
+    # step, the memory model's and the fake step's batch, grad_accum, seq_len and
+    # checkpointing
     layout_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     step_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     memory_given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -128,7 +129,8 @@ def memory_figures(report: InspectReport) -> MemoryFigures:
     )
 
 
-STEP_NAMES = ("batch", "seq_len", "checkpointing", "loss")  # the step piece's fields check takes
+# the step piece's fields check takes
+STEP_NAMES = ("batch", "grad_accum", "seq_len", "checkpointing", "loss")
 
 
 def given_step(req: CheckRequest) -> dict[str, Any]:
@@ -150,7 +152,8 @@ def step_inputs(req: CheckRequest, old: Baseline | None, report: InspectReport) 
         step.checkpointing,
         report.inputs.world_size,
         report.inputs.optimizer,
-        step.loss,
+        loss=step.loss,
+        grad_accum=step.grad_accum,
     )
 
 

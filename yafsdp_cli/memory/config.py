@@ -62,16 +62,17 @@ class MemoryConfig:
 
 
 def memory_config(
-    step: StepOptions, memory: MemoryOptions, *, optimizer: str | None = None, round_bytes=512
+    step: StepOptions, memory: MemoryOptions, *, optimizer: str | None = None
 ) -> MemoryConfig:
     """The memory model's configuration from the options' step and memory pieces;
-    ``optimizer`` and ``round_bytes`` stand in where the pieces leave them open
-    (``None``: a checkpoint's own optimizer, the device's rounding)."""
+    ``optimizer`` stands in where the step leaves it open (``None``: a checkpoint's
+    own). Rounding is the memory piece's rule for the step's kernels
+    (``MemoryOptions.rounding``)."""
     return MemoryConfig(
         grad_dtype=step.grad_dtype,
         optimizer=step.optimizer or optimizer or "adamw",
         master_weights=memory.master_weights,
-        round_bytes=memory.round_bytes or round_bytes,
+        round_bytes=memory.rounding(step.kernels),
     )
 
 

@@ -6,12 +6,15 @@ dtypes in ``__post_init__``:
 - ``LayoutOptions``: which parameters become flat buffers and how they are laid out
   (filters, excludes, units, world size, alignment);
 - ``StepOptions``: the training step (optimizer and its implementation, batch,
-  sequence length, input shape, seed, device, kernels' target, activation
+  sequence length, micro-batches accumulated per optimizer step (``grad_accum``),
+  input shape, seed, device, kernels' target, activation
   checkpointing, parameter and gradient dtypes, and what trains: ``--freeze``,
   ``--lora``, ``--quantize``);
 - ``MemoryOptions``: the memory configuration (GPU memory, the memory
   beside the allocator and the margin, allocator rounding and settings, master
-  weights, FSDP2 placement): where a new memory-model input goes.
+  weights, FSDP2 placement): where a new memory-model input goes. Its
+  ``rounding(kernels)`` is the one rounding rule of every command: ``--round-bytes``,
+  else 512 B for CUDA's kernels and 1 B for the CPU's.
 
 Sizes on the command line (``80GiB``; a bare number is an error, ``80GB`` is SI and
 echoed in GiB) are parsed in ``sizes``, with the reserve's check that names the
@@ -30,6 +33,7 @@ engine's torch-free choices only; every command room imports it.
 from __future__ import annotations
 
 from .pieces import (
+    CUDA_ROUND_BYTES,
     DEFAULT_MARGIN,
     OUTSIDE_PARTS,
     LayoutOptions,
@@ -42,6 +46,7 @@ from .sizes import check_reserve, parse_size, si_echo
 from .training_dtype import DEFAULT_TRAINING_DTYPE, TrainingDtype, training_dtype
 
 __all__ = [
+    "CUDA_ROUND_BYTES",
     "DEFAULT_MARGIN",
     "OUTSIDE_PARTS",
     "DEFAULT_TRAINING_DTYPE",

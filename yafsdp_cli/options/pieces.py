@@ -19,6 +19,7 @@ from ..errors import YafsdpError
 from ..numbers import (
     MAX_BYTES,
     MAX_COUNT,
+    MAX_GRAD_ACCUM,
     MAX_ROUND_BYTES,
     MAX_SEED,
     MAX_SEQ_LEN,
@@ -30,6 +31,9 @@ from .alloc_conf import ALLOC_CONF_FLAG, parse_alloc_conf
 from .sizes import OUTSIDE_PARTS
 
 GiB = 1024**3
+# CUDA's caching allocator hands out multiples of 512 bytes; a CPU storage holds its
+# own bytes. One rule for every command (``MemoryOptions.rounding``).
+CUDA_ROUND_BYTES = 512
 # The headroom a plan's best configuration keeps, as a fraction of the GPU's memory:
 # the reserved-memory model's predictions on the H200 runs span x0.991 to x1.026 of
 # torch.cuda.max_memory_reserved (benchmarks/gpu/reserved-h200.log), so 3% of a GPU
@@ -83,6 +87,9 @@ class StepOptions:
 
     batch: int = 2  # samples per micro-batch
     seq_len: int | None = 16  # tokens per sample; None: the model's context length
+    # micro-batches per optimizer step (gradient accumulation): each a forward and a
+    # backward, the gradients held from the first backward on, then one optimizer step
+    grad_accum: int = 1
     input_shape: tuple[int, ...] | None = None  # None: from the model kind
     seed: int = 0  # of the inputs and the loss
     device: str = "cpu"  # cpu | cuda: where the step runs
@@ -111,6 +118,7 @@ class StepOptions:
         check_quantize(self.quantize)
         check_optimizer(self.optimizer or "adamw", self.optimizer_impl)
         check_at_least("batch", self.batch)
+        check_at_least("grad-accum", self.grad_accum, maximum=MAX_GRAD_ACCUM)
         check_at_least("seq-len", self.seq_len, maximum=MAX_SEQ_LEN)
         checked(self.seed, "--seed", 0, MAX_SEED, whole=True)
         if self.input_shape is not None:
@@ -154,7 +162,7 @@ class MemoryOptions:
     outside: tuple[tuple[str, int], ...] = ()  # (part, bytes): context, cublas, cublaslt, nccl
     margin: int | None = None  # bytes the best plan keeps free; None: DEFAULT_MARGIN of the GPU
     master_weights: bool | None = None  # float32 masters; None: on for 16-bit parameters
-    round_bytes: int | None = None  # allocator rounding; None: 512 for CUDA's kernels, else 1
+    round_bytes: int | None = None  # allocator rounding; None: ``rounding``'s rule
     fsdp_placement: str = "dim0"  # what the FSDP2 column models: dim0 | auto
     alloc_conf: str | None = None  # the allocator replay's settings; None: PYTORCH_CUDA_ALLOC_CONF
 
@@ -186,6 +194,15 @@ class MemoryOptions:
         check_placement(self.fsdp_placement)
         if self.alloc_conf is not None:
             parse_alloc_conf(self.alloc_conf, ALLOC_CONF_FLAG)  # fails before any step runs
+
+    def rounding(self, kernels: str) -> int:
+        """Every storage's rounding for a step of ``kernels`` (``StepOptions.kernels``):
+        ``round_bytes`` where given (``--round-bytes``), else 512 B for CUDA's kernels
+        (its caching allocator) and 1 B for the CPU's. Plan, profile and check's fake
+        step all ask this, so one cell reads the same bytes in each."""
+        if self.round_bytes is not None:
+            return self.round_bytes
+        return CUDA_ROUND_BYTES if kernels == "cuda" else 1
 
     @property
     def margin_bytes(self) -> int:

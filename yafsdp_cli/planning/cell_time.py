@@ -288,13 +288,22 @@ def with_timing(report, rows: Sequence[PlanRow], timer: CellTimer, opts: PlanOpt
 def _note(timer: CellTimer) -> str:
     s = timer.setup
     nodes = s.gpu.gpus_per_node
+    n = timer.opts.step.grad_accum
+    accum = (
+        f"; {n} micro-batches a step (--grad-accum): the first's kernels, then a later "
+        f"one's (counted, its gradient adds included) {n - 1} more times, each with its "
+        "all-gathers and reduce-scatters, the optimizer once, tokens per step "
+        f"{n} x micro-batch x sequence"
+        if n > 1
+        else ""
+    )
     return (
         f"time per step on {s.gpu.name} ({s.gpu.source}): the roofline over every kernel of "
         f"the step ({timer.runs} counted fake steps{_layers(timer)}; other micro-batches kernel "
         "by kernel on the line through two), plus the flat scheme's all-gathers and "
         "reduce-scatters that compute does not hide with one unit prefetched; ring over "
         f"{nodes} GPUs per node, "
-        f"{s.cluster.inter_node_bytes_per_s / 1e9:g} GB/s per GPU between nodes (--network)"
+        f"{s.cluster.inter_node_bytes_per_s / 1e9:g} GB/s per GPU between nodes (--network)" + accum
     )
 
 

@@ -30,7 +30,7 @@ from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
-from .measure import Runner
+from .measure import MICRO, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import (
     PastPositions,
@@ -170,7 +170,8 @@ def _row(cell: Cell, seq_len, m, runner: Runner, fit: ReservedFit) -> PlanRow:
     persistent parts at its world size, and the rest (the step's temporaries, less
     what the model's bytes it did not hold then) as ``temporaries``."""
     fields = fit.fields(cell)
-    phase = top_phase(runner.figures(cell))[0]
+    figures = runner.figures(cell)
+    phase = top_phase(figures)[0]
     act = runner.activations(cell)[phase]
     breakdown = PlanBreakdown(
         m.params, m.grads, m.optimizer, m.master, m.buffers, m.gather, m.reduce, act,
@@ -183,6 +184,7 @@ def _row(cell: Cell, seq_len, m, runner: Runner, fit: ReservedFit) -> PlanRow:
         checkpointing=cell.checkpointing,
         breakdown=breakdown,
         peak_phase=phase,
+        peak_micro_batch=figures[MICRO + phase],
         **fields,
     )
 
@@ -265,12 +267,13 @@ def _report(loaded, opts, seq_len, rows, runner, start, fit) -> PlanReport:
         source=loaded.spec.source,
         gpu_memory_bytes=opts.memory.gpu_memory,
         reserve_bytes=opts.memory.reserve,
-        round_bytes=opts.memory.round_bytes,
+        round_bytes=opts.round_bytes,
         seq_len=seq_len,
         param_dtype=opts.step.param_dtype or "as stored",
         grad_dtype=cfg.grad_dtype or "the parameters' dtype",
         optimizer=opts.step.optimizer,
         optimizer_impl=opts.step.optimizer_impl,
+        grad_accum=opts.step.grad_accum,
         world_sizes=tuple(dict.fromkeys(r.world_size for r in rows)),
         micro_batches=tuple(opts.micro_batches),
         checkpointing=tuple(opts.checkpointing),
@@ -307,6 +310,20 @@ def _notes(opts: PlanOptions, runner: Runner, fit) -> tuple[str, ...]:
             if opts.step.target == "cuda"
             else ""
         ),
+        *_accum_note(opts),
+    )
+
+
+def _accum_note(opts: PlanOptions) -> tuple[str, ...]:
+    n = opts.step.grad_accum
+    if n == 1:
+        return ()
+    return (
+        f"gradient accumulation: every cell's fake step runs {n} micro-batches (forward "
+        "and backward each; from the second on, the gradients of the ones before are "
+        "held through the forward, the flat scheme's as reduced shards above world size "
+        "1), then one optimizer step; three are traced and the rest written from the "
+        "third where it repeats the second event for event, else all are traced",
     )
 
 

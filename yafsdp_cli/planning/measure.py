@@ -2,8 +2,9 @@
 
 A cell's figures are those of one fake step of the converted model at the cell's
 world size, micro-batch and checkpointing (``profiling.profile_converted``, the step
-``profile --fake`` runs): its phase peaks, what the model held at each (``HELD``,
-``GRADS``), the activations alive then (``ACTS``), and its allocations replayed
+``profile --fake`` runs, with the plan's ``--grad-accum`` micro-batches): its phase
+peaks, what the model held at each (``HELD``, ``GRADS``), the activations alive then
+(``ACTS``), the micro-batch each peak is in (``MICRO``), and its allocations replayed
 through the caching allocator's model (``reserved_fit``). Nothing is carried from one
 cell to another, so a cell reads the same whatever grid or objective it is asked in.
 
@@ -35,9 +36,9 @@ from .reserved_fit import RESERVED, may_advise, plan_confs, replayed
 
 PHASES = ("forward", "backward", "optimizer")
 # a run's figures beside its phase peaks: what the model held at each phase's peak
-# (parameters, gradients, optimizer states, buffers), of that its gradients, and the
-# activations alive then
-HELD, GRADS, ACTS = "held:", "grads:", "acts:"
+# (parameters, gradients, optimizer states, buffers), of that its gradients, the
+# activations alive then, and the micro-batch it was in (``--grad-accum``)
+HELD, GRADS, ACTS, MICRO = "held:", "grads:", "acts:", "micro:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ def _step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
             ),
             # the step's own rounding; the plan's GPU and allocator settings are applied
             # to its trace afterwards (``reserved_fit``)
-            memory=MemoryOptions(round_bytes=opts.memory.round_bytes),
+            memory=MemoryOptions(round_bytes=opts.round_bytes),
             fake=True,
         ),
         steps=steps,
@@ -121,12 +122,13 @@ def _collector_paused():
 
 
 def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
-    phase_peaks, breakdowns = events.phase_peaks()
+    phase_peaks, breakdowns, micro = events.phase_peaks()
     figures = dict(phase_peaks)
     for p, b in breakdowns.items():
         figures[HELD + p] = b.parameters + b.gradients + b.optimizer + b.buffers
         figures[GRADS + p] = b.gradients
         figures[ACTS + p] = b.activations
+        figures[MICRO + p] = micro[p]
     confs = plan_confs(opts)
     if not confs:
         return figures

@@ -39,15 +39,15 @@ if TYPE_CHECKING:
 
 MAX_WORLD_SIZE = 512
 CHECKPOINTING = ("none", "non-reentrant")  # the default choices; "reentrant" too
-ROUND_BYTES = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
 # plan's own defaults of the pieces: the model's context length, bf16 with float32
-# masters, torch's optimizer for CUDA tensors, CUDA's kernels and allocator rounding
+# masters, torch's optimizer for CUDA tensors, CUDA's kernels (and so, by the memory
+# piece's rule, the caching allocator's 512-byte rounding; 1 B with --target cpu)
 PLAN_STEP = StepOptions(
     seq_len=None, param_dtype=DEFAULT_TRAINING_DTYPE, optimizer_impl="foreach", target="cuda"
 )
-PLAN_MEMORY = MemoryOptions(round_bytes=ROUND_BYTES)
+PLAN_MEMORY = MemoryOptions()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,8 +55,9 @@ class PlanOptions:
     """``memory.gpu_memory`` (bytes per GPU) is required unless a GPU is named;
     ``world_sizes`` None: 1, 2, 4, ... up to what is needed; ``step.seq_len`` None: the
     model's context length, else 2048; ``step.target``: whose kernels the fake steps
-    account (see profile --target). The step piece's batch and checkpointing are the
-    grid's (``micro_batches``, ``checkpointing``), its world size ``world_sizes``."""
+    account (see profile --target); ``step.grad_accum``: the micro-batches every cell's
+    step runs before its optimizer step. The step piece's batch and checkpointing are
+    the grid's (``micro_batches``, ``checkpointing``), its world size ``world_sizes``."""
 
     layout: LayoutOptions = LayoutOptions()
     step: StepOptions = PLAN_STEP
@@ -140,6 +141,12 @@ class PlanOptions:
     def memory_config(self) -> MemoryConfig:
         return memory_config(self.step, self.memory)
 
+    @property
+    def round_bytes(self) -> int:
+        """Every storage's rounding: ``--round-bytes``, else the target's
+        (``MemoryOptions.rounding``: 512 B for CUDA's kernels, 1 B for the CPU's)."""
+        return self.memory.rounding(self.step.kernels)
+
     def recorded(self) -> dict[str, Any]:
         """What a saved plan records (``SAVED``, in its order): the pieces' fields and
         the plan's own, read from the dataclasses' fields; the grid's checkpointing
@@ -185,6 +192,7 @@ SAVED = (
     "gpu_memory",
     "world_sizes",
     "micro_batches",
+    "grad_accum",
     "checkpointing",
     "seq_len",
     "reserve",

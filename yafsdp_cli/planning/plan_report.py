@@ -63,6 +63,9 @@ class PlanRow:
     fragmentation_bytes: int  # reserved_bytes - peak_bytes
     outside: tuple[OutsidePart, ...]  # held beside the allocator: context, workspaces, NCCL
     fits_with: AllocAdvice | None  # when it fits only under another allocator setting
+    # the micro-batch (1 = the first) of the step's --grad-accum ones the peak is in;
+    # an optimizer peak: the last, after which it runs
+    peak_micro_batch: int = 1
     time: StepEstimate | None = None  # the step on the plan's GPU (``cell_time``); None: no GPU
     # the verdict under the plan's allocator setting (``memory.headroom.fit``): ``fits``
     # and ``needed_bytes`` are its figures; what the views show. Always set by a plan.
@@ -110,6 +113,7 @@ class PlanReport:
     grad_dtype: str
     optimizer: str
     optimizer_impl: str
+    grad_accum: int  # micro-batches per optimizer step (--grad-accum)
     world_sizes: tuple[int, ...]
     micro_batches: tuple[int, ...]
     checkpointing: tuple[str, ...]

@@ -25,6 +25,13 @@ cell (the schemes allocate the same activations and temporaries; only their
 persistent blocks differ), plus what the rank holds beside the allocator, at most
 the GPU's memory; the best configuration keeps the plan's margin free too.
 
+With gradient accumulation (``--grad-accum``) every reference step runs the step's
+micro-batches, so each scheme holds what its reference holds between them (the flat
+runtime's reduced shards, FSDP2's with gradient sync on, DDP's whole gradients under
+``no_sync()``); a scheme that can switch gradient sync off until the last micro-batch
+(FSDP2) also gets its best configuration so (``Scheme.unsynced``: every gradient held
+whole through the micro-batches).
+
 What the flat scheme saves against a scheme is compared at that scheme's best
 configuration (or, where nothing of it fits, at the flat scheme's best): the
 scheme's peak minus the flat peak at the same world size, micro-batch and
@@ -41,7 +48,7 @@ from functools import cache
 from ..engine.plan import plan
 from ..engine.records import retype_params
 from ..memory import estimate_memory, headroom
-from ..memory.step_schemes import SchemeSettings, StepAt, scheme_memory
+from ..memory.step_schemes import SchemeParts, SchemeSettings, StepAt, scheme_memory
 from ..mesh import Mesh
 from ..schemes import FLAT, FSDP2, Scheme, parse
 from .cell import Cell, grid
@@ -100,6 +107,10 @@ class SchemePlan:
     # every unit gathered from its forward to its backward (no second all-gather)
     no_reshard_peak_bytes: int | None = None
     no_reshard_fits: bool | None = None
+    # with --grad-accum, a scheme that can switch gradient sync off until the last
+    # micro-batch (``Scheme.unsynced``: fsdp2): its best configuration so
+    no_sync_peak_bytes: int | None = None
+    no_sync_fits: bool | None = None
 
     @property
     def flat_saves_percent(self) -> float | None:
@@ -144,16 +155,22 @@ class _RowMaker:
     def __init__(self, opts, memory: Callable, fit: ReservedFit, runner: Runner, settings):
         self.opts, self.memory, self.fit, self.runner = opts, memory, fit, runner
         self.settings = settings
+        self.whole_grads = memory.whole_grads  # world size -> every gradient whole
 
     def __call__(
-        self, scheme: Scheme, cell: Cell, settings: SchemeSettings | None = None
+        self, scheme: Scheme, cell: Cell, settings: SchemeSettings | None = None, extra=None
     ) -> SchemeRow:
+        """``extra``: ``(phase, breakdown) -> bytes`` held beyond the scheme's own."""
         settings = settings or self.settings
         ws, ck = cell.world_size, cell.checkpointing
         m = self.memory(scheme, ws, settings)
         steps = self._steps(_reference(cell, scheme.whole_params))
+        more = extra or (lambda _p, _m: 0)
         phase, peak = max(
-            ((p, scheme.phase_peak(p, m, at, ws, settings)) for p, at in steps.items()),
+            (
+                (p, scheme.phase_peak(p, m, at, ws, settings) + more(p, m))
+                for p, at in steps.items()
+            ),
             key=lambda pair: pair[1],
         )
         act = steps[phase].activations
@@ -166,6 +183,16 @@ class _RowMaker:
             scheme, ws, cell.micro_batch, ck, peak, reserved, verdict.needed, m.persistent,
             m.gather, m.reduce, act, peak - m.total - act, phase, verdict.fits, verdict,
         )  # fmt: skip
+
+    def unsynced(self, scheme: Scheme, cell: Cell) -> SchemeRow | None:
+        """``scheme``'s row at ``cell`` with gradient sync off until the last of the
+        step's micro-batches (``Scheme.unsynced``); None where the scheme has no such
+        switch. Its reference step is the cell's own, as with sync on: the same
+        micro-batches, activations and temporaries."""
+        whole = self.whole_grads(cell.world_size)
+        if cell.world_size == 1 or scheme.unsynced("optimizer", None, whole) is None:
+            return None
+        return self(scheme, cell, extra=lambda p, m: scheme.unsynced(p, m, whole))
 
     def _steps(self, ref: Cell) -> dict[str, StepAt]:
         """The flat step of ``ref`` at each phase's peak (``StepAt``): its activations,
@@ -188,7 +215,13 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
         scheme, scheme.configuration(make.settings), rows, _smallest(rows, opts), best, at,
         flat.peak_bytes if flat else None, saves,
     )  # fmt: skip
-    if scheme is not FSDP2 or best is None or best.world_size == 1:
+    if best is None or best.world_size == 1:
+        return plan
+    if opts.step.grad_accum > 1 and (unsynced := make.unsynced(scheme, best.cell)) is not None:
+        plan = dataclasses.replace(
+            plan, no_sync_peak_bytes=unsynced.peak_bytes, no_sync_fits=unsynced.fits
+        )
+    if scheme is not FSDP2:
         return plan
     no_reshard = dataclasses.replace(make.settings, reshard_after_forward=False)
     kept = make(scheme, best.cell, settings=no_reshard)
@@ -211,6 +244,12 @@ def _scheme_memory(loaded, opts: PlanOptions):
         layout, report = layout_and_report(ws)
         return scheme_memory(scheme, layout, cfg, settings, report)
 
+    @cache
+    def whole_grads(ws: int) -> int:
+        layout, report = layout_and_report(ws)
+        return SchemeParts(layout, cfg, SchemeSettings(), report).whole_grads()
+
+    memory.whole_grads = whole_grads
     return memory
 
 

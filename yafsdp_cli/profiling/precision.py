@@ -6,10 +6,11 @@ float32 master copy, and the optimizer steps on the masters, so its states are
 float32 too (what ``MemoryConfig``'s auto master weights count). ``Masters`` runs
 the hand-over around the optimizer step:
 
-- after backward, with ``--grad-dtype float32``, each 16-bit gradient becomes the
-  master's float32 gradient at once and the 16-bit one is freed: the step holds
-  float32 gradients, as with float32 gradient reduction (the collectives of the
-  sharded runtime still run in the parameter dtype);
+- after each backward, with ``--grad-dtype float32``, each 16-bit gradient becomes
+  the master's float32 gradient at once (added to it after the first micro-batch of
+  an accumulated step) and the 16-bit one is freed: the step holds float32
+  gradients, as with float32 gradient reduction (the collectives of the sharded
+  runtime still run in the parameter dtype);
 - otherwise the gradients stay 16-bit until the optimizer step, which reads float32
   copies of them (a temporary of the optimizer phase);
 - after the step the masters are copied back into the 16-bit parameters.
@@ -75,8 +76,12 @@ class Masters:
 
     def _hand_over(self) -> None:
         for p, m in self.pairs:
-            if p.grad is not None and m.grad is None:
+            if p.grad is None:
+                continue
+            if m.grad is None:
                 m.grad = p.grad.to(torch.float32)
+            else:  # a later micro-batch's: accumulated in float32
+                m.grad.add_(p.grad)
         stepped = {id(p) for p in self.stepped}
         for q in [*(p for p, _ in self.pairs), *self.module.parameters()]:
             if id(q) not in stepped:

@@ -11,7 +11,7 @@ from ..options import LayoutOptions, MemoryOptions, StepOptions, check_at_least
 class ProfileOptions:
     layout: LayoutOptions = LayoutOptions()
     step: StepOptions = StepOptions()
-    # round_bytes None: 512 for CUDA's kernels (the caching allocator)
+    # round_bytes None: 512 for CUDA's kernels (the caching allocator), 1 for the CPU's
     memory: MemoryOptions = MemoryOptions()
     fake: bool = False
     per_module: bool = False

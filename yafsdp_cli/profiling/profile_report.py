@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..memory.outside_allocator import OutsideAllocator
+from .micro_batches import MicroTrace
 from .periodic import PeriodicTrace
 from .timeline import Breakdown, ModuleMemory, PhaseSeries
 
@@ -61,6 +62,11 @@ class StepProfile:
     # each phase's peak by category (``phase_peaks`` split): what the schemes' rows
     # take the step's own bytes from
     phase_breakdowns: dict[str, Breakdown] = field(default_factory=dict)
+    # with --grad-accum: the micro-batch (1 = the first) the peak, and each phase's,
+    # was first reached in (the optimizer's: the last, after which it runs)
+    peak_micro_batch: int = 1
+    phase_micro_batches: dict[str, int] = field(default_factory=dict)
+    micro: MicroTrace | None = None  # how its micro-batches were had
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,7 @@ class ProfileReport:
     training_dtype: str = ""  # which dtype the parameters are trained in, and why
     trace: PeriodicTrace | None = None  # how the steps were had: one period repeated, or whole
     loss_detail: str = ""  # the loss in words: what it holds
+    grad_accum: int = 1  # micro-batches per optimizer step
 
     @property
     def saving_bytes(self) -> int:

@@ -38,10 +38,12 @@ from ..engine.train_step import (
 from ..errors import YafsdpError
 from ..options.training_dtype import training_dtype
 from ..sources.adapted import adapt, keeps_stored_base
+from . import micro_batches
 from .fake import FakeStep, entered, fake_copy, fake_errors, make_fake_mode
 from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
 from .layer_stack import cut, find_stack
+from .micro_batches import MicroTrace
 from .modules import module_names, peak_shares, tracking_layers, tracking_modules
 from .periodic import PeriodicTrace, matches, repeat
 from .positions import index_errors
@@ -51,7 +53,6 @@ from .profile_report import CudaMemory, ProfileReport, StepProfile
 from .shard_sizes import RecordedStep, ShardTags
 from .tracker import StorageTracker
 
-CUDA_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
 # progress(stage, done, total): called as each stage starts (for a progress bar)
 STAGES = ("building the model", "original step", "converting", "converted step")
 
@@ -151,6 +152,7 @@ class _Traced:
     step: RecordedStep
     wall: float
     cuda: CudaMemory | None
+    micro: MicroTrace  # how its micro-batches were had
 
 
 @dataclasses.dataclass
@@ -313,10 +315,33 @@ def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> Profi
         notes=(
             *_notes(opts, got.run.ckpt_note, got.kernels, holding),
             *((f"layers: {got.how.why}",) if opts.fake else ()),
+            *_micro_notes(opts, got.run),
             *getattr(loaded, "tuning_notes", ()),
         ),
         outside=holding.outside if holding else None,
         trace=got.how,
+        grad_accum=opts.step.grad_accum,
+    )
+
+
+def _micro_notes(opts: ProfileOptions, run: _Run) -> tuple[str, ...]:
+    """With --grad-accum: what a step of N micro-batches is, and how each variant's
+    micro-batches were had."""
+    n = opts.step.grad_accum
+    if n == 1:
+        return ()
+    hows = {v: t.micro.why for v, t in run.traced.items()}
+    how = next(iter(hows.values())) if len(set(hows.values())) == 1 else None
+    sharded = (
+        "; the converted rank reduce-scatters each micro-batch's gradients as its backward "
+        "ends and adds the shards to the earlier ones' (the original holds whole gradients)"
+        if opts.layout.world_size > 1
+        else ""
+    )
+    return (
+        f"gradient accumulation: {n} micro-batches, a forward and a backward each, the "
+        f"gradients held from the first backward on, then one optimizer step{sharded}; "
+        + (f"micro-batches: {how}" if how else "; ".join(f"{v}: {w}" for v, w in hows.items())),
     )
 
 
@@ -325,9 +350,7 @@ def _substitutes_cuda(opts: ProfileOptions) -> bool:
 
 
 def _rounding(opts: ProfileOptions) -> int:
-    if opts.memory.round_bytes is not None:
-        return opts.memory.round_bytes
-    return CUDA_ROUND if opts.kernels == "cuda" else 1
+    return opts.memory.rounding(opts.kernels)
 
 
 def _optimizer_impl(opts: ProfileOptions) -> str:
@@ -374,8 +397,37 @@ def warm_up(opt, params: list[nn.Parameter]) -> None:
 
 
 def _trace_step(module, params, batch, opts, sharded=None, layers=None) -> _Traced:
-    """Track one step of ``module``; ``layers`` (``_layers``): give each block its
-    layer (``periodic``)."""
+    """Track one step of ``module``, its ``grad_accum`` micro-batches traced or, under
+    ``--fake`` (and ``--trace periodic``), three traced and the rest written from the
+    third where it repeats the second (``micro_batches``); ``layers`` (``_layers``):
+    give each block its layer (``periodic``)."""
+    total = opts.step.grad_accum
+    traced = micro_batches.traced_count(total, opts.fake and opts.periodic)
+    got, marks = _trace_micro_batches(module, params, batch, opts, sharded, layers, traced)
+    if traced == total:
+        why = "every micro-batch traced" + ("" if total == 1 else _whole_micro_why(opts))
+        return dataclasses.replace(got, micro=MicroTrace(total, traced, False, why))
+    step = micro_batches.repeat(got.step, marks, total)
+    if isinstance(step, RecordedStep):
+        rest = "micro-batch 4 is" if total == 4 else f"micro-batches 4 to {total} are"
+        why = (
+            f"traced {traced} of {total}; {rest} the 3rd repeated, the 3rd checked event "
+            "for event against the 2nd"
+        )
+        return dataclasses.replace(got, step=step, micro=MicroTrace(total, traced, True, why))
+    got, _ = _trace_micro_batches(module, params, batch, opts, sharded, layers, total)
+    return dataclasses.replace(got, micro=MicroTrace(total, total, False, f"all traced: {step}"))
+
+
+def _whole_micro_why(opts: ProfileOptions) -> str:
+    if not opts.fake:
+        return ": a real step runs every micro-batch"
+    return ": --trace whole" if not opts.periodic else ""
+
+
+def _trace_micro_batches(module, params, batch, opts, sharded, layers, count: int):
+    """Track one step of ``count`` micro-batches: the ``_Traced`` (its ``micro`` left to
+    the caller) and where each micro-batch began (``StorageTracker.micro_marks``)."""
     masters = Masters(module, params, opts.step.grad_dtype) if opts.step.param_dtype else None
     stepped = masters.stepped if masters else params
     opt = make_optimizer(opts.step.optimizer, stepped, _optimizer_impl(opts))
@@ -393,13 +445,14 @@ def _trace_step(module, params, batch, opts, sharded=None, layers=None) -> _Trac
     cuda_before = _cuda_reset(opts.step.device)
     start = time.perf_counter()
     with tracker, tracking_modules(tracker, names), tracking_layers(tracker, layers or {}):
-        _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters)
+        _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters, count)
     wall = time.perf_counter() - start
     shards = tracker.tags.sizes() if tracker.tags is not None else None
     step = RecordedStep(tracker.recorded(), shards)
     if tracker.owner_clash:
         step = RecordedStep(dataclasses.replace(step.events, owners=None), shards)
-    return _Traced(step, wall, _cuda_peaks(opts.step.device, cuda_before))
+    cuda = _cuda_peaks(opts.step.device, cuda_before)
+    return _Traced(step, wall, cuda, MicroTrace(count, count, False, "")), tracker.micro_marks
 
 
 def _own_layers(tracker, layers, sharded, masters, opt) -> None:
@@ -446,6 +499,9 @@ def _step_profile(variant, got: _Steps, loaded, opts, traces=None, holding=None)
         series=timeline.series,
         reserved=reserved_peak(trace, holding) if holding is not None else None,
         phase_breakdowns=timeline.phase_breakdowns,
+        peak_micro_batch=timeline.peak_micro_batch,
+        phase_micro_batches=timeline.phase_micro_batches,
+        micro=got.run.traced[variant].micro,
     )
 
 
@@ -474,21 +530,16 @@ def _assign_roles(tracker, module, params, opt, batch) -> None:
     tracker.assign(batch.tensors(), "activations")
 
 
-def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -> None:
-    tracker.set_phase("forward")
-    torch.manual_seed(opts.step.seed)
-    loss_of = loss_for(module, opts.step)
-    with loss_of.running():  # a checkpointed head recomputes in the backward
-        loss = loss_of(run_forward(module, batch))
-        tracker.set_phase("backward")
-        _backward(loss)
-        del loss
-    if sharded is not None:
-        sharded.finish_backward()
+def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters, count) -> None:
+    """``count`` micro-batches, each adding into the gradients the ones before left,
+    then one optimizer step and ``zero_grad``."""
+    for _ in range(count):
+        tracker.mark_micro_batch()
+        _micro_batch(tracker, module, batch, opts, sharded, masters)
+    tracker.mark_micro_batch()  # the micro-batches end here
     if tracker.tags is not None:
         tracker.tags.start_inheriting()
     if masters is not None:
-        masters.after_backward()
         tracker.assign(masters.grads(), "gradients")
     tracker.assign([p.grad for p in params if p.grad is not None], "gradients")
     tracker.assign([p.grad for p in module.parameters() if p.grad is not None], "gradients")
@@ -504,6 +555,26 @@ def _tracked_step(tracker, module, params, batch, opt, opts, sharded, masters) -
         masters.after_step()
     for p in [*params, *module.parameters(), *(masters.stepped if masters else ())]:
         p.grad = None
+
+
+def _micro_batch(tracker, module, batch, opts, sharded, masters) -> None:
+    """Forward, loss and backward of one micro-batch (the same batch and seed in each:
+    ``micro_batches``'s note); the sharded runtime reduces what is left, and with
+    ``--grad-dtype float32`` the masters take the gradients in float32."""
+    tracker.set_phase("forward")
+    torch.manual_seed(opts.step.seed)
+    loss_of = loss_for(module, opts.step)
+    with loss_of.running():  # a checkpointed head recomputes in the backward
+        loss = loss_of(run_forward(module, batch))
+        tracker.set_phase("backward")
+        _backward(loss)
+        del loss
+    if sharded is not None:
+        sharded.finish_backward()
+    if masters is not None:
+        masters.after_backward()
+        if tracker.tags is not None:
+            tracker.tags.master_grads(masters)
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -565,8 +636,9 @@ def _notes(
         used = ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())) or "none called"
         notes.append(
             "--target cuda without a GPU: attention accounted as CUDA's sdpa kernels save it "
-            f"({used}; sm80+, default backend order), storages rounded to 512 B as CUDA's "
-            "caching allocator does, the optimizer's CUDA default (foreach); kernel "
+            f"({used}; sm80+, default backend order), storages rounded to "
+            f"{_rounding(opts)} B (CUDA's caching allocator: 512), the optimizer's CUDA "
+            "default (foreach); kernel "
             "workspaces are not counted (see docs/profile.md)"
         )
     if opts.step.param_dtype:

@@ -8,8 +8,9 @@ storages that hold a whole flat buffer's or one shard's worth of elements:
 - the shards, and what the optimizer keeps per shard (float32 masters, its states);
 - each unit's buffer while it is gathered, and its whole gradient;
 - the gradient shard the reduce-scatter makes;
-- after backward: the masters' gradients, the optimizer's temporaries (foreach: one
-  per shard) and the copies back into the shards.
+- after each backward: the masters' gradients (``--grad-dtype float32``); after the
+  last: the optimizer's temporaries (foreach: one per shard) and the copies back into
+  the shards.
 
 Parameter starts depend only on the alignment and the dtype (``engine.layout``): only
 a buffer's end padding depends on the world size. So the parameters' views, the
@@ -148,6 +149,14 @@ class ShardTags:
             for v in state.values():
                 if id(p) in index and isinstance(v, torch.Tensor) and v.shape == p.shape:
                     self.tag(v, index[id(p)], False)
+
+    def master_grads(self, masters) -> None:
+        """The float32 gradients a micro-batch hands its masters (``--grad-dtype
+        float32``): a shard's size, as their masters."""
+        for _, m in masters.pairs:
+            tag = self.tags.get(self.tracker.block_of(m))
+            if tag is not None and m.grad is not None:
+                self.tag(m.grad, tag[0], tag[1])
 
     def start_inheriting(self) -> None:
         """After backward: from here on, shard-sized tensors make shard-sized ones."""

@@ -75,6 +75,10 @@ class Timeline:
     series: tuple[PhaseSeries, ...] = ()  # forward, backward, optimizer
     # each phase's peak by category: what was alive at that phase's highest moment
     phase_breakdowns: dict[str, Breakdown] = field(default_factory=dict)
+    # the micro-batch (1 = the first) each phase's peak was first reached in, and the
+    # step's; the optimizer's is the last micro-batch's, after which it runs
+    phase_micro_batches: dict[str, int] = field(default_factory=dict)
+    peak_micro_batch: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +113,17 @@ class StepEvents:
         made = self._made_at(state.peak_event, cats)
         return replace(timeline, peak_by_module=made)
 
-    def phase_peaks(self) -> tuple[dict[str, int], dict[str, Breakdown]]:
-        """``replay``'s ``phase_peaks`` and ``phase_breakdowns`` alone, in one lean
-        pass: a plan takes them for every cell of its grid."""
+    def phase_peaks(self) -> tuple[dict[str, int], dict[str, Breakdown], dict[str, int]]:
+        """``replay``'s ``phase_peaks``, ``phase_breakdowns`` and
+        ``phase_micro_batches`` alone, in one lean pass: a plan takes them for every
+        cell of its grid."""
         index = {c: k for k, c in enumerate(CATEGORIES)}
         cats = [index[self.category(i)] for i in range(len(self.roles))]
         sums = [0] * len(CATEGORIES)
-        total, phase = 0, "setup"
+        total, phase, micro = 0, "setup", 0
         peaks: dict[str, int] = {}
         at: dict[str, tuple[int, ...]] = {}
+        where: dict[str, int] = {}
         for ev in self.events:
             kind = ev[0]
             if kind == SIZE:
@@ -128,14 +134,16 @@ class StepEvents:
                     continue
             elif kind == PHASE:
                 phase = ev[1]
+                micro += phase == "forward"  # each micro-batch begins with its forward
                 if total <= peaks.get(phase, -1):
                     continue
             else:
                 continue
-            peaks[phase], at[phase] = total, tuple(sums)
+            peaks[phase], at[phase], where[phase] = total, tuple(sums), micro
         return (
             {p: v for p, v in peaks.items() if p in PHASES},
             {p: Breakdown(*at[p]) for p in peaks if p in PHASES},
+            {p: max(where[p], 1) for p in peaks if p in PHASES},
         )
 
     def alloc_trace(self) -> AllocTrace:
@@ -185,6 +193,9 @@ class _Replay:
         self.total = self.peak_total = 0
         self.peak = dict(self.sums)
         self.phase = self.peak_phase = "setup"
+        self.micro = 0  # the micro-batch running: one per forward phase begun
+        self.peak_micro = 1
+        self.phase_micro: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
         self.phase_sums: dict[str, dict[str, int]] = {}  # phase -> sums at its peak
         self.event = self.peak_event = -1  # index of the event that set the peak
@@ -207,6 +218,7 @@ class _Replay:
             if ev[1] == "backward" and self.phase == "forward":
                 self._count_saved()
             self.phase = ev[1]
+            self.micro += self.phase == "forward"
             self.trace.setdefault(self.phase, []).append(self.total)
             self._bump_phase()
         elif kind in (ENTER, EXIT) and ev[1] in self.wanted:
@@ -231,7 +243,7 @@ class _Replay:
                     dict(self.sums),
                     self.phase,
                 )
-                self.peak_event = self.event
+                self.peak_event, self.peak_micro = self.event, max(self.micro, 1)
             self._bump_phase()
             self._bump_modules()
 
@@ -239,6 +251,7 @@ class _Replay:
         if self.total > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.total
             self.phase_sums[self.phase] = dict(self.sums)
+            self.phase_micro[self.phase] = max(self.micro, 1)
 
     def _bump_modules(self) -> None:
         for active, peaks in ((self.fwd, self.fwd_peak), (self.bwd, self.bwd_peak)):
@@ -273,6 +286,8 @@ class _Replay:
                 if p in self.trace
             ),
             phase_breakdowns={p: Breakdown(**v) for p, v in self.phase_sums.items() if p in PHASES},
+            phase_micro_batches={p: m for p, m in self.phase_micro.items() if p in PHASES},
+            peak_micro_batch=self.peak_micro,
         )
 
 

@@ -138,6 +138,9 @@ class StorageTracker(TorchDispatchMode):
         self._owner: list[int | None] = []  # per block, its layer
         self._regions = LayerRegions()  # which layer is running
         self.owner_clash = False  # a storage was given two layers
+        # (events, ops) recorded when each micro-batch began, and when the last ended
+        # (``micro_batches``: a step of N from one of fewer)
+        self.micro_marks: list[tuple[int, int]] = []
 
     # -- recording ---------------------------------------------------------------------
 
@@ -149,6 +152,10 @@ class StorageTracker(TorchDispatchMode):
         self._phase = phase
         self._regions.reset()  # a region a hook never closed ends with its phase
         self._events.append((PHASE, phase))
+
+    def mark_micro_batch(self) -> None:
+        """A micro-batch begins here, or (after the last) the micro-batches end."""
+        self.micro_marks.append((len(self._events), self.ops))
 
     def enter_module(self, name: str, backward: bool) -> None:
         if not backward:

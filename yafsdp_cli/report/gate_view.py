@@ -93,9 +93,10 @@ def _titles(report: CheckReport) -> tuple[str, str]:
     s = report.step_inputs
     if s is None:
         return memory, ""
+    accum = f", {s.grad_accum} micro-batches per optimizer step" if s.grad_accum > 1 else ""
     step = (
-        f"fake training step: converted model, rank 0 of {s.world_size}, {report.step_batch}, "
-        f"checkpointing {s.checkpointing}, optimizer {s.optimizer}"
+        f"fake training step: converted model, rank 0 of {s.world_size}, {report.step_batch}"
+        f"{accum}, checkpointing {s.checkpointing}, optimizer {s.optimizer}"
     )
     return memory, step
 

@@ -107,7 +107,14 @@ def memory_html(report: InspectReport) -> str:
 
 def profile_page(report: ProfileReport) -> str:
     from ..profiling import CATEGORIES
-    from .profile_view import LABELS, module_section, outside_section, peak_section, verdict
+    from .profile_view import (
+        LABELS,
+        module_section,
+        outside_section,
+        peak_section,
+        peak_where,
+        verdict,
+    )
     from .profile_view import summary_section as profile_summary
 
     o, c = report.original, report.converted_step
@@ -122,8 +129,8 @@ def profile_page(report: ProfileReport) -> str:
         ),
     ]
     items = (
-        ("original peak", human_bytes(o.peak.total), f"in {o.peak_phase}"),
-        ("converted peak", human_bytes(c.peak.total), f"in {c.peak_phase}"),
+        ("original peak", human_bytes(o.peak.total), f"in {peak_where(report, o)}"),
+        ("converted peak", human_bytes(c.peak.total), f"in {peak_where(report, c)}"),
         ("change", f"{change:+.1f}%", human_bytes(abs(report.saving_bytes))),
         ("ranks", str(report.world_size), "converted runs as rank 0"),
     )

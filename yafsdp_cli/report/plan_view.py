@@ -152,10 +152,15 @@ def answer(report: PlanReport) -> list[str]:
         if past is not None
         else ""
     )
+    accum = (
+        f", {report.grad_accum} micro-batches per optimizer step (--grad-accum)"
+        if report.grad_accum > 1
+        else ""
+    )
     lines.append(
-        f"assumed: {report.seq_len} tokens per sequence{beyond}, {report.param_dtype} parameters "
-        f"(--param-dtype), {report.optimizer}, loss {report.loss}, allocator settings {alloc}, "
-        "flat scheme" + "".join(f", {t}" for t in report.tuning)
+        f"assumed: {report.seq_len} tokens per sequence{beyond}{accum}, {report.param_dtype} "
+        f"parameters (--param-dtype), {report.optimizer}, loss {report.loss}, allocator settings "
+        f"{alloc}, flat scheme" + "".join(f", {t}" for t in report.tuning)
     )
     return lines
 
@@ -218,6 +223,8 @@ def _recommended(report: PlanReport) -> str:
 
 def summary_lines(report: PlanReport) -> list[str]:
     tokens = f"{report.seq_len} tokens per sequence"
+    if report.grad_accum > 1:
+        tokens += f", {report.grad_accum} micro-batches accumulated per optimizer step"
     lines = [
         f"{report.source}: needed per rank, what the GPU must hold (the caching allocator's "
         f"reserved peak + the memory beside it), against {human_bytes(report.gpu_memory_bytes)} "
@@ -251,9 +258,17 @@ def summary_lines(report: PlanReport) -> list[str]:
 def _breakdown(b: PlanRow, report: PlanReport) -> str:
     """The row's figures and what stays free (under the advised setting, if any)."""
     free = _shown(b)[0].free
+    n = report.grad_accum
+    tokens = f"{b.micro_batch * b.seq_len} tokens per rank"
+    if n > 1:
+        where = "" if b.peak_phase == "optimizer" else f" of micro-batch {b.peak_micro_batch}"
+        tokens = (
+            f"{b.micro_batch * b.seq_len} tokens per micro-batch, {n * b.micro_batch * b.seq_len}"
+            f" per rank and step; peak in the {b.peak_phase}{where}"
+        )
     return (
         f"world size {b.world_size}, micro-batch {b.micro_batch}, checkpointing "
-        f"{b.checkpointing} ({b.micro_batch * b.seq_len} tokens per rank): {_figures(b)}; "
+        f"{b.checkpointing} ({tokens}): {_figures(b)}; "
         f"{human_bytes(free)} free of {human_bytes(report.gpu_memory_bytes)} (margin "
         f"{human_bytes(report.margin_bytes)})"
     )
@@ -359,6 +374,8 @@ def plan_page(report: PlanReport) -> str:
 
     title = f"yafsdp plan · {report.source}"
     subtitle = f"{report.seq_len} tokens · {report.param_dtype} · {report.optimizer}"
+    if report.grad_accum > 1:
+        subtitle += f" · {report.grad_accum} micro-batches per step"
     first, *rest = answer(report)
     ok = "pass" if report.best is not None else "fail"
     summary = (

@@ -40,6 +40,7 @@ def to_json(report: ProfileReport) -> str:
             "checkpointing": report.checkpointing,
             "loss": report.loss,
             "loss_detail": report.loss_detail,
+            "grad_accum": report.grad_accum,
             "inputs": report.inputs,
             "round_bytes": report.round_bytes,
             "flat_buffers": report.flat_buffers,
@@ -71,7 +72,10 @@ def _step_json(s: StepProfile) -> dict:
         "peak_bytes": s.peak.total,
         "peak": s.peak,
         "peak_phase": s.peak_phase,
+        "peak_micro_batch": s.peak_micro_batch,
         "phase_peaks": s.phase_peaks,
+        "phase_micro_batches": s.phase_micro_batches,
+        "micro_batches": s.micro,
         "end_of_step": s.end,
         "modules": s.modules,
         "peak_modules": s.peak_modules,
@@ -119,7 +123,7 @@ def summary_section(report: ProfileReport) -> Section:
         ("inputs", report.inputs),
         (
             "step",
-            f"forward, backward, {report.optimizer} ({report.optimizer_impl}) step{ckpt}",
+            f"{_passes(report)} {report.optimizer} ({report.optimizer_impl}) step{ckpt}",
         ),
         ("loss", report.loss_detail or report.loss),
         (
@@ -129,6 +133,20 @@ def summary_section(report: ProfileReport) -> Section:
         ),
     )
     return Section("yafsdp profile", ("", ""), rows)
+
+
+def _passes(report: ProfileReport) -> str:
+    n = report.grad_accum
+    if n == 1:
+        return "forward, backward,"
+    return f"{n} micro-batches (forward, backward each; gradients accumulated), then one"
+
+
+def peak_where(report: ProfileReport, step: StepProfile) -> str:
+    """``backward``, or with --grad-accum ``backward of micro-batch 2 of 5``."""
+    if report.grad_accum == 1 or step.peak_phase == "optimizer":
+        return step.peak_phase
+    return f"{step.peak_phase} of micro-batch {step.peak_micro_batch} of {report.grad_accum}"
 
 
 def peak_section(report: ProfileReport) -> Section:
@@ -150,7 +168,7 @@ def peak_section(report: ProfileReport) -> Section:
             _delta(c.peak.total - o.peak.total),
         )
     )
-    rows.append(("peak in", o.peak_phase, c.peak_phase, ""))
+    rows.append(("peak in", peak_where(report, o), peak_where(report, c), ""))
     for phase in ("forward", "backward", "optimizer"):
         rows.append(
             (
@@ -304,8 +322,8 @@ def answer(report: ProfileReport) -> list[str]:
     rank = f"rank 0 of {report.world_size}" if report.world_size > 1 else "1 process"
     lines = [
         verdict(report),
-        f"peak: original {human_bytes(o.peak.total)} in {o.peak_phase}, converted "
-        f"{human_bytes(c.peak.total)} in {c.peak_phase}",
+        f"peak: original {human_bytes(o.peak.total)} in {peak_where(report, o)}, converted "
+        f"{human_bytes(c.peak.total)} in {peak_where(report, c)}",
     ]
     if o.reserved and c.reserved:
         lines.append(

@@ -70,13 +70,21 @@ def _needed(row) -> str:
 
 
 def _settings(s) -> str:
-    if s.no_reshard_peak_bytes is None:
-        return s.configuration
-    verdict = "fits" if s.no_reshard_fits else "OOM"
-    return (
-        f"{s.configuration} (with False, every unit kept gathered, the best configuration "
-        f"peaks at {human_bytes(s.no_reshard_peak_bytes)}: {verdict})"
-    )
+    text = s.configuration
+    if s.no_reshard_peak_bytes is not None:
+        verdict = "fits" if s.no_reshard_fits else "OOM"
+        text += (
+            f" (with False, every unit kept gathered, the best configuration "
+            f"peaks at {human_bytes(s.no_reshard_peak_bytes)}: {verdict})"
+        )
+    if s.no_sync_peak_bytes is not None:
+        verdict = "fits" if s.no_sync_fits else "OOM"
+        text += (
+            "; gradient sync every micro-batch (with set_requires_gradient_sync(False) until "
+            "the last, every gradient held unsharded, the best configuration peaks at "
+            f"{human_bytes(s.no_sync_peak_bytes)}: {verdict})"
+        )
+    return text
 
 
 def _saves(s) -> str:

@@ -41,6 +41,9 @@ class Collectives:
     # what one collective is: a flat buffer ("buffers"), a unit's parameters as FSDP2
     # places them ("placement"), or a unit's gradients unpadded ("unit_grads")
     sized_by: Literal["buffers", "placement", "unit_grads"]
+    # with gradient accumulation: gradients reduced in every micro-batch (and the
+    # reduced ones accumulated), or held unreduced and reduced once, in the last
+    reduce_every_micro_batch: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,16 @@ class Scheme:
     def configuration(self, settings) -> str:
         """What the scheme's ``plan --scheme`` rows assume, in its own terms."""
         raise NotImplementedError(self.name)
+
+    def unsynced(self, phase: str, m, whole_grads: int) -> int | None:
+        """With gradient accumulation and gradient sync switched off until the last
+        micro-batch: the bytes one rank holds at ``phase``'s peak beyond what it holds
+        with sync on (``m``: its ``memory`` breakdown above world size 1;
+        ``whole_grads``: every gradient whole). None where the scheme has no such
+        switch: its rows are the way it accumulates (the flat runtime reduce-scatters
+        every micro-batch; DDP's ``no_sync()`` keeps whole gradients, as it always
+        does)."""
+        return None
 
 
 def at_reference(m, step) -> int:

@@ -9,6 +9,11 @@ gradients became ready; the old ones are freed first-come, while no gradient exi
 so the rebuild never sets the peak. At each phase it holds what the reference step
 (at world size 1) holds, its buckets beside.
 
+Gradient accumulation: ``no_sync()`` until the last micro-batch; the whole gradients
+accumulate in place (DDP holds them whole anyway, and the reference step at world
+size 1 holds them from its first backward on), and the last micro-batch all-reduces
+them through the buckets (``Collectives.reduce_every_micro_batch`` False).
+
 Collectives: one all-reduce per unit's gradients, in the gradient dtype, in
 backward (DDP's buckets are about a unit's size in a large model; their count only
 moves the latency term); unconverted parameters' gradients join the root's.
@@ -36,7 +41,12 @@ DDP = Ddp(
     name="ddp",
     label="DDP",
     holds=Holds(params=WHOLE, grads=WHOLE, optimizer=WHOLE),
-    collectives=Collectives(gathers_params=False, reduces="all_reduce", sized_by="unit_grads"),
+    collectives=Collectives(
+        gathers_params=False,
+        reduces="all_reduce",
+        sized_by="unit_grads",
+        reduce_every_micro_batch=False,  # no_sync() until the last micro-batch
+    ),
     inspect_key="ddp",
     timing_key="ddp",
 )

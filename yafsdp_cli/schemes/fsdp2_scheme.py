@@ -11,6 +11,15 @@ start of backward: the shards and every gathered unit in forward (no gradient
 exists: ``zero_grad(set_to_none=True)``), plus one reduce-scatter input in
 backward; after backward every unit is resharded and the sharded gradients remain.
 
+Gradient accumulation: with gradient sync on (the default) every micro-batch
+reduce-scatters and the sharded gradients accumulate, which is what the reference
+step (the flat runtime) does, so the rows hold what it holds. With
+``set_requires_gradient_sync(False)`` until the last micro-batch, each parameter's
+gradient stays unsharded (in the reduce dtype) from the first backward to the last
+micro-batch's reduce-scatter, which makes the sharded ones: the forward and backward
+hold every gradient whole in place of the shards; the optimizer step as with sync
+on (``unsynced``).
+
 Collectives: one all-gather per unit of its parameters padded to ``torch.chunk``'s
 largest chunk times the world size, in the training dtype, in forward and again in
 backward for every unit but the root; one reduce-scatter per unit in the gradient
@@ -44,6 +53,9 @@ class Fsdp2(Scheme):
 
     def configuration(self, settings) -> str:
         return f"reshard_after_forward={settings.reshard_after_forward}"
+
+    def unsynced(self, phase, m, whole_grads) -> int:
+        return 0 if phase == "optimizer" else whole_grads - m.grads
 
 
 FSDP2 = Fsdp2(

@@ -86,7 +86,7 @@ class OpCost:
     """One kernel of a step: what it computes and moves."""
 
     name: str  # "aten.mm.default"
-    phase: str  # forward | backward | optimizer
+    phase: str  # forward | backward | optimizer; later_forward | later_backward | accumulate
     dtype: str  # of the first tensor input: the matrix FLOPs' precision
     matrix_flops: int  # what the kernel computes (causal attention: half)
     model_flops: int  # useful matrix work (no recompute, full attention)
@@ -103,13 +103,20 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.phase: str | None = None  # None: not counting (a warm-up step)
         self.costs: list[OpCost] = []
+        # gradients held between micro-batches (by ``id``): an in-place add into one
+        # of them is counted as ``held_phase`` (gradient accumulation's own kernels)
+        self.held: frozenset[int] = frozenset()
+        self.held_phase: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.phase is not None and launches_kernel(func):
-            recompute = self.phase == "backward" and torch.is_grad_enabled()
-            self.costs.append(op_cost(func, args, kwargs, out, self.phase, recompute))
+            recompute = self.phase.endswith("backward") and torch.is_grad_enabled()
+            phase = self.phase
+            if func is aten.add_.Tensor and self.held and id(args[0]) in self.held:
+                phase = self.held_phase or phase
+            self.costs.append(op_cost(func, args, kwargs, out, phase, recompute))
         return out
 
 

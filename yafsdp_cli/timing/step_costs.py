@@ -6,9 +6,16 @@ training dtype, the real batch, CUDA's attention kernels by default: ``target``
 exists, then counts one step with ``op_costs.OpCounter``: forward and loss, backward
 (the forward that checkpointed units recompute is counted there, marked
 ``recompute``), and the optimizer step (the float32 masters' hand-over and copy-back
-included). The model is the original one on one GPU: sharding moves bytes between
-ranks (``comm_volume``), it does not change a rank's kernels, except the optimizer
-step, which each rank takes on its own share (``step_estimate``).
+included). With gradient accumulation (``grad_accum`` above 1) a second micro-batch
+is counted between the backward and the optimizer step, as ``LATER`` phases: every
+micro-batch after the first runs its kernels, and adds its gradients into the ones
+held (``AccumulateGrad``'s adds, the float32 masters' with ``--grad-dtype float32``),
+which the first does not: those adds are the ``ACCUMULATE`` phase, since a sharded
+rank makes them on its shards alone; ``step_estimate`` times a later micro-batch
+once per later micro-batch.
+The model is the original one on one GPU: sharding moves bytes between ranks
+(``comm_volume``), it does not change a rank's kernels, except the optimizer step,
+which each rank takes on its own share (``step_estimate``).
 
 >>> from yafsdp_cli.sources import load_source
 >>> from yafsdp_cli.options import StepOptions
@@ -46,6 +53,10 @@ from .op_costs import OpCost, OpCounter
 from .periodic_costs import extrapolate
 
 PHASES = ("forward", "backward", "optimizer")
+# the forward and backward of a micro-batch after the first (``grad_accum`` above 1),
+# and its adds into the gradients held
+LATER = ("later_forward", "later_backward")
+ACCUMULATE = "accumulate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +86,8 @@ class StepCosts:
     # the layers counted: "" for the whole model; else the depths counted and written
     # (``periodic_costs``), or why the whole model was counted
     counted: str = ""
+    # micro-batches per optimizer step; above 1 ``ops`` hold a later one's (``LATER``)
+    grad_accum: int = 1
 
     def phase(self, name: str) -> PhaseCosts:
         return next(p for p in self.phases if p.phase == name)
@@ -169,23 +182,36 @@ def _counted_step(model, batch, opts: ProfileOptions, impl: str, counter: OpCoun
     opt = make_optimizer(opts.step.optimizer, stepped, impl)
     counter.phase = None  # the warm-up step is not counted
     warm_up(opt, stepped)
-    counter.phase = "forward"
-    torch.manual_seed(opts.step.seed)
-    loss_of = loss_for(model, opts.step)
-    with loss_of.running():
-        loss = loss_of(run_forward(model, batch))
-        counter.phase = "backward"
-        _backward(loss)
-        del loss
+    _micro_batch(model, batch, opts, counter, ("forward", "backward"))
     counter.phase = "optimizer"
     if masters is not None:
-        masters.after_backward()
+        masters.after_backward()  # the first micro-batch's hand-over, once a step
+    if opts.step.grad_accum > 1:
+        held = [p.grad for p in [*params, *stepped] if p.grad is not None]
+        counter.held, counter.held_phase = frozenset(map(id, held)), ACCUMULATE
+        _micro_batch(model, batch, opts, counter, LATER)
+        if masters is not None:
+            masters.after_backward()  # a later micro-batch's: adds in float32
+    counter.phase = "optimizer"
+    if masters is not None:
         masters.before_step()
     if opt is not None:
         opt.step()
     if masters is not None:
         masters.after_step()
     counter.phase = None
+
+
+def _micro_batch(model, batch, opts: ProfileOptions, counter: OpCounter, phases) -> None:
+    """Forward, loss and backward, counted as ``phases`` (forward's, backward's)."""
+    counter.phase = phases[0]
+    torch.manual_seed(opts.step.seed)
+    loss_of = loss_for(model, opts.step)
+    with loss_of.running():
+        loss = loss_of(run_forward(model, batch))
+        counter.phase = phases[1]
+        _backward(loss)
+        del loss
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -215,6 +241,7 @@ def _totals(costs, opts, impl, model, attention) -> StepCosts:
         optimizer_impl=impl,
         attention=dict(attention.used) if attention else {},
         checkpointing=opts.step.checkpointing,
+        grad_accum=opts.step.grad_accum,
     )
 
 

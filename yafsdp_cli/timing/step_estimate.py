@@ -23,7 +23,19 @@
 - the optimizer step: its kernels' time from the fake step's bytes, each kernel's
   share above the floor scaled by the part of the parameters this rank steps (its
   shards: about ``1 / world_size``; all of them under DDP);
-- ``step_s = forward + backward + exposed communication + optimizer``.
+- ``step_s = forward + backward + exposed communication + optimizer``;
+- with gradient accumulation (``StepCosts.grad_accum`` = N above 1) a step is N
+  micro-batches and one optimizer step: the first micro-batch's forward and backward,
+  then N - 1 times a later one's (its own kernels, counted, and its adds into the
+  gradients held, on this rank's share of them as the optimizer's kernels are: its
+  shards where the scheme reduces every micro-batch into sharded gradients, all of
+  them where it holds them whole), each with its exposed communication; the
+  optimizer once. Parameters are
+  all-gathered in every micro-batch; gradients reduced in every micro-batch where
+  the scheme does (``Collectives.reduce_every_micro_batch``: the flat runtime and
+  FSDP2 with gradient sync on, the default), else once, in the last (DDP's
+  ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``). Tokens per step are
+  N x micro-batch x sequence length.
 
 ``tokens_per_s`` is per GPU; MFU is the model FLOPs (``6 N T``-style useful work:
 forward and backward products, attention's full square, no recompute) over the
@@ -41,10 +53,10 @@ from ..engine.units import ROOT
 from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
 from ..schemes import FLAT, WHOLE, Scheme
-from .comm_volume import Cluster, check_scheme, collectives, ring_time, sent_bytes, unit_order
+from .comm_volume import Cluster, check_scheme, collectives, ring_time, unit_order
 from .gpu_specs import GpuSpec
 from .roofline import Efficiency, PhaseTime, phase_time
-from .step_costs import StepCosts
+from .step_costs import ACCUMULATE, LATER, StepCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +66,9 @@ class StepEstimate:
     gpu: str
     scheme: str  # the scheme's timing_key (the plan's JSON spells it so)
     world_size: int
-    tokens: int  # per GPU per step
-    forward_s: float
-    backward_s: float
+    tokens: int  # per GPU per step: every micro-batch's
+    forward_s: float  # every micro-batch's forwards
+    backward_s: float  # ... and backwards
     optimizer_s: float
     comm_s: float  # every collective, back to back
     exposed_comm_s: float  # what compute does not hide
@@ -82,10 +94,14 @@ def estimate_step(
     cfg: MemoryConfig | None = None,
     placement: str = "dim0",
     phases: dict[str, PhaseTime] | None = None,
+    reduce_every_micro_batch: bool | None = None,
 ) -> StepEstimate:
-    """The step estimate of ``costs`` (one micro-batch) with ``layout``'s world size;
-    ``phases``: ``phase_times(costs, gpu, eff)`` where the caller has them (they do
-    not depend on the layout, so a grid of world sizes computes them once)."""
+    """The step estimate of ``costs`` (one micro-batch, and a later one's kernels where
+    it accumulates several) with ``layout``'s world size; ``phases``:
+    ``phase_times(costs, gpu, eff)`` where the caller has them (they do not depend on
+    the layout, so a grid of world sizes computes them once);
+    ``reduce_every_micro_batch``: None for the scheme's own way (its ``Collectives``),
+    else whether gradients are reduced in every micro-batch or in the last alone."""
     cluster, eff = cluster or Cluster(), eff or Efficiency()
     scheme = check_scheme(scheme)
     n = layout.world_size
@@ -95,30 +111,74 @@ def estimate_step(
     optimizer_s = (opt.seconds - floor) * _stepped_share(layout, scheme, costs) + floor
     found = collectives(layout, scheme, cfg, placement)
     times = [ring_time(c.kind, c.bytes, n, gpu, cluster) for c in found]
+    every = scheme.collectives.reduce_every_micro_batch
+    every = every if reduce_every_micro_batch is None else reduce_every_micro_batch
+    # how many times a step issues each collective: gathers in every micro-batch,
+    # reductions in every one or in the last alone
+    accum = costs.grad_accum
+    per_step = [accum if every or c.kind == "all_gather" else 1 for c in found]
     exposed = _exposed(layout, found, times, fwd.seconds, bwd.seconds)
-    step = fwd.seconds + bwd.seconds + exposed + optimizer_s
-    model = costs.model_flops
+    later_fwd, later_bwd = _later(costs, phases, eff, _held_share(layout, scheme, costs, every))
+    if accum > 1:
+        mine = [(c, t) for c, t, k in zip(found, times, per_step) if k == accum]
+        found_later, times_later = [c for c, _ in mine], [t for _, t in mine]
+        exposed += (accum - 1) * _exposed(layout, found_later, times_later, later_fwd, later_bwd)
+    forward_s = fwd.seconds + (accum - 1) * later_fwd
+    backward_s = bwd.seconds + (accum - 1) * later_bwd
+    step = forward_s + backward_s + exposed + optimizer_s
+    model = _model_flops(costs)
+    tokens = costs.tokens * accum
     return StepEstimate(
         gpu=gpu.name,
         scheme=scheme.timing_key,
         world_size=n,
-        tokens=costs.tokens,
-        forward_s=fwd.seconds,
-        backward_s=bwd.seconds,
+        tokens=tokens,
+        forward_s=forward_s,
+        backward_s=backward_s,
         optimizer_s=optimizer_s,
-        comm_s=sum(times),
+        comm_s=sum(k * t for k, t in zip(per_step, times)),
         exposed_comm_s=exposed,
         step_s=step,
-        tokens_per_s=costs.tokens / step,
+        tokens_per_s=tokens / step,
         mfu=model / (gpu.matrix_peak(_main_dtype(costs)) * step),
-        sent_bytes=sent_bytes(found),
+        sent_bytes=sum(k * c.sent for k, c in zip(per_step, found)),
         model_flops=model,
     )
 
 
+def _later(costs: StepCosts, phases, eff: Efficiency, share: float) -> tuple[float, float]:
+    """A later micro-batch's forward and backward seconds (none with one micro-batch);
+    its adds into the gradients held (``ACCUMULATE``), above the launch floor, scaled
+    by ``share``, the part of them this rank holds."""
+    if costs.grad_accum == 1:
+        return 0.0, 0.0
+    adds = phases[ACCUMULATE]
+    floor = adds.kernels * eff.kernel_floor_s
+    return phases[LATER[0]].seconds, phases[LATER[1]].seconds + (
+        adds.seconds - floor
+    ) * share + floor
+
+
+def _held_share(layout: Layout, scheme: Scheme, costs: StepCosts, every: bool) -> float:
+    """The part of the gradients a rank holds between micro-batches: its shards' where
+    the scheme shards gradients and reduces every micro-batch, else all of them
+    (DDP; FSDP2 with gradient sync off holds them unsharded)."""
+    if scheme.holds.grads == WHOLE or not every:
+        return 1.0
+    return _stepped_share(layout, scheme, costs)
+
+
+def _model_flops(costs: StepCosts) -> int:
+    """The step's useful work: every micro-batch's forward and backward, the optimizer's."""
+    per_micro = costs.phase("forward").model_flops + costs.phase("backward").model_flops
+    return costs.model_flops + (costs.grad_accum - 1) * per_micro
+
+
 def phase_times(costs: StepCosts, gpu: GpuSpec, eff: Efficiency) -> dict[str, PhaseTime]:
-    """Each phase's kernels on the roofline."""
-    return {p: phase_time(costs.ops, p, gpu, eff) for p in ("forward", "backward", "optimizer")}
+    """Each phase's kernels on the roofline (a later micro-batch's too, where counted)."""
+    later = (*LATER, ACCUMULATE) if costs.grad_accum > 1 else ()
+    phases = ("forward", "backward", "optimizer", *later)
+    return {p: phase_time(costs.ops, p, gpu, eff) for p in phases}
 
 
 def _main_dtype(costs: StepCosts) -> str:
