@@ -151,7 +151,7 @@ GradAccumOpt = Annotated[
         "--grad-accum",
         parser=number(1, MAX_GRAD_ACCUM),
         metavar="N",
-        help="Micro-batches per optimizer step (gradient accumulation).",
+        help="Micro-batches per optimizer step.",
     ),
 ]
 SeqLenOpt = Annotated[
@@ -177,7 +177,7 @@ SeedOpt = Annotated[
         "--seed",
         parser=number(0, MAX_SEED),
         metavar="INTEGER",
-        help="Seed of the inputs and the loss.",
+        help="Seed of inputs and loss.",
     ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda.")]
@@ -238,8 +238,7 @@ FreezeOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--freeze",
-        help="Fine-tuning: parameters matching EXPR (repeatable, --filter's language) get "
-        "no gradient, no optimizer state and no master weights.",
+        help="Fine-tuning: freeze parameters matching EXPR (repeatable; --filter's language).",
         metavar="EXPR",
     ),
 ]
