@@ -127,7 +127,8 @@ def _truth(path: str, mode: str) -> dict:
 
 
 def _profile(path: str, mode: str, *extra: str) -> dict:
-    argv = ["profile", path, "--checkpointing", mode, "--batch", str(BATCH)]
+    # the projection: the loss the real step below takes
+    argv = ["profile", path, "--checkpointing", mode, "--batch", str(BATCH), "--loss", "projection"]
     result = runner.invoke(app, [*argv, "--seq-len", str(SEQ), "--json", *extra])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -158,7 +159,9 @@ def test_profile_equals_a_real_step_checkpointed_by_torch(tmp_path, mode, dtype)
 def _report(path: str, mode: str, **kw):
     return profile_model(
         load_source(path),
-        options(ProfileOptions, batch=BATCH, seq_len=SEQ, checkpointing=mode, **kw),
+        options(
+            ProfileOptions, batch=BATCH, seq_len=SEQ, checkpointing=mode, loss="projection", **kw
+        ),
     )
 
 
