@@ -40,7 +40,8 @@ def test_make_demo_runs_from_a_fresh_folder(tmp_path):
     assert any("yafsdp plan" in ln for ln in lines) and any("yafsdp convert" in ln for ln in lines)
     shutil.copytree(ROOT / "sample_models", tmp_path / "sample_models",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # this checkout's yafsdp_cli, whichever checkout an editable install points at
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for line in lines:
         done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
