@@ -119,7 +119,8 @@ def to_rich(report: CheckReport) -> list:
         out.append(rich_table(step, HEADERS, _rows(report, "step"), right=(1, 2, 3)))
     if report.modules:
         title = "saved for backward, by module (the largest)"
-        out.append(rich_table(title, MODULE_HEADERS, _module_rows(report.modules), (1, 2, 3, 4)))
+        rows = _module_rows(report.modules)
+        out.append(rich_table(title, MODULE_HEADERS, rows, (1, 2, 3, 4), names=(0,)))
     out += [Text(f"skipped: {s}", style="yellow") for s in report.skipped]
     return out
 

@@ -167,6 +167,8 @@ def worst_section(report: VerifyReport) -> Section:
         rows,
         right=(3, 5, 6),
         caption=caption,
+        names=(2,),
+        key=(0, 2),
     )
 
 
