@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from tests.conftest import SAMPLES
+from tests.terminal_text import layout_problems, words
 from yafsdp_cli.cli import app, command_kit, convert_cmd, flags
 from yafsdp_cli.report.fit_table import FitTable, fold_name
 
@@ -43,21 +43,6 @@ LLAMA3_8B = {
     "torch_dtype": "bfloat16",
     "vocab_size": 128256,
 }
-
-BOX_LINE = re.compile(r"[│┃┏┓┗┛┡┩┌┐└┘━─]")
-# a column of no width: two junctions of a rule side by side
-ZERO_WIDTH = re.compile(r"[┏┳┌┬┡╇├┼└┴┗┻][┳┬╇┼┴┻┓┐┩┤┘┛]")
-# words: split at spaces, rules, an ellipsis, before a slice and after a dotted name's
-# dot (a name folds and wraps there), never at a decimal point
-SPLIT = re.compile(r"[\s│┃┏┓┗┛┡┩┌┐└┘━─┳┻╇┬┴┼├┤…]+|(?<=.)(?=\[)|(?<=[^\W\d]|\*)\.|\.(?=[^\W\d]|\*)")
-
-
-def words(text: str) -> set[str]:
-    found = set()
-    for w in SPLIT.split(text):
-        parts = re.split(r"(?<=/)", w)  # a path may break after a slash
-        found.update(p for p in parts if any(ch.isalnum() for ch in p))
-    return found
 
 
 def captured(args: list[str], exit_code: int = 0, cwd: Path | None = None) -> list:
@@ -113,18 +98,9 @@ def name_folds(renderables: list, width: int) -> list[str]:
 
 def problems(renderables: list) -> list[str]:
     wide = printed(renderables, WIDE)
-    known = words(wide) | {"(continued)"}
     found = []
     for width in WIDTHS:
-        text = printed(renderables, width)
-        for line in text.splitlines():
-            if BOX_LINE.search(line) and len(line) > width:
-                found.append(f"{width}: a table line {len(line)} wide: {line}")
-            if ZERO_WIDTH.search(line):
-                found.append(f"{width}: a column of no width: {line}")
-        broken = sorted(words(text) - known)
-        if broken:
-            found.append(f"{width}: words broken or cut: {broken}\n{text}")
+        found += layout_problems(printed(renderables, width), wide, width)
         found += [f"{width}: {p}" for p in name_folds(renderables, width)]
     return found
 

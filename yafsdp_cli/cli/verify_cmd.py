@@ -171,7 +171,8 @@ def verify_command(
             raise YafsdpError(view.refusal(exc.budget, exc.suggestions)) from None
         if is_primary():
             if report.budget is not None:
-                stderr.print(view.header_line(report.budget, report.blocks), markup=False)
+                line = view.header_line(report.budget, report.blocks)
+                stderr.print(line, markup=False, soft_wrap=False)  # wrapped between words
             render(view, report, fmt)
     raise typer.Exit(exit_code(report))
 

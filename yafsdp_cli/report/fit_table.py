@@ -368,14 +368,16 @@ class FitTable:
 
 
 def _annotation(value: Any, width: int, style: str) -> RenderResult:
-    """A title or a caption, wrapped between words at ``width``."""
+    """A title or a caption, wrapped between words at ``width`` (a dotted name
+    wider than that after one of its dots)."""
     from rich.text import Text
 
     if value is None or value == "":
         return
     plain = getattr(value, "plain", None)
     text, own = (plain, value.style) if plain is not None else (str(value), style)
-    for line in wrap(text, max(width, 1), dots=True):
+    width = max(width, 1)
+    for line in wrap(text, width, dots=shortest(text) > width):
         yield Text(line, style=own or style)
 
 
