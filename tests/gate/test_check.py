@@ -171,6 +171,17 @@ def test_the_verdict_comes_first_then_the_regressions_largest_first(tmp_path):
     markdown = runner.invoke(app, ["check", str(model), "-b", str(base), "--markdown"]).stdout
     bullets = [s[4:].split(" +")[0] for s in markdown.splitlines() if s.startswith("- **")]
     assert bullets == listed
+    # the markdown's first line is the verdict with its count, as the terminal's is
+    first = markdown.splitlines()[0]
+    assert first == f"## yafsdp check: FAILED: {len(grown)} figures grew past tolerance", first
+
+
+def test_a_passing_markdown_says_so_first(baseline):
+    _, base = baseline
+    markdown = runner.invoke(app, ["check", "-b", str(base), "--markdown"])
+    assert markdown.exit_code == 0, markdown.output
+    first = markdown.stdout.splitlines()[0]
+    assert first == "## yafsdp check: passed: no figure grew past its tolerance", first
 
 
 def test_a_growth_under_the_byte_floor_passes(baseline):

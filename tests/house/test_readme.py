@@ -97,9 +97,10 @@ def workspace(tmp_path_factory) -> Path:
 
 def clean_env() -> dict[str, str]:
     bindir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "COLUMNS": "1000"}
-    env.pop("PYTHONPATH", None)
-    return env
+    # this checkout's yafsdp_cli, whichever checkout an editable install points at
+    # (sample_models still comes from the page's folder: the CLI puts it first)
+    path = {"PATH": bindir + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    return {**os.environ, **path, "COLUMNS": "1000"}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)

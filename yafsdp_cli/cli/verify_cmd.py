@@ -154,21 +154,25 @@ def verify_command(
             compile=compile_,
             blocks=blocks,
         )
-        # the ranks are other processes: a pulsing bar while they run, none under torchrun
-        waiting = world_size > 1 and fmt != "json" and not launched_by_torchrun()
+        # The estimate is printed once the run has a verdict, never before an error (a
+        # forward that fails on --input-shape fails inside the run); while it runs, the
+        # waiting bar (a terminal only) names it.
+        bar = WaitBar(fmt != "json" and not launched_by_torchrun(), "verify")
 
         def header(run_plan) -> None:
-            if is_primary():
-                stderr.print(view.header_line(run_plan.budget, run_plan.blocks), markup=False)
+            bar(view.waiting_words(run_plan.budget), 0, None)
 
         try:
-            with WaitBar(waiting, f"verify on {world_size} ranks, {steps} steps"):
+            with bar:
                 report = verify_source(
                     source, model=model, trust_pickle=trust_pickle, opts=opts, on_plan=header
                 )
         except MemoryBudgetError as exc:
             raise YafsdpError(view.refusal(exc.budget, exc.suggestions)) from None
         if is_primary():
+            if report.budget is not None:
+                line = view.header_line(report.budget, report.blocks)
+                stderr.print(line, markup=False, soft_wrap=False)  # wrapped between words
             render(view, report, fmt)
     raise typer.Exit(exit_code(report))
 

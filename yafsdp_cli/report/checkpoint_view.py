@@ -20,7 +20,6 @@ from ..checkpoint.results import (
 from .formatting import human_bytes, human_count, json_document, rich_table, unbroken
 
 if TYPE_CHECKING:  # Rich is imported by the views only: the JSON documents never need it
-    from rich.table import Table
     from rich.text import Text
 
 SCHEMA_CONVERT = "yafsdp.convert/1"
@@ -133,14 +132,9 @@ def verify_text(v: RoundTrip) -> Text:
     return Text(text, style="bold red")
 
 
-def buffers_table(ck: CheckpointInfo) -> Table:
-    """One row per buffer; long names fold rather than being cut."""
-    from rich.table import Table
-
-    table = Table(title="flat buffers", title_justify="left", header_style="bold")
-    table.add_column("buffer (tensor name)", overflow="fold", ratio=1)
-    for h in ("params", "numel", "padded", "per rank", "bytes"):
-        table.add_column(h, justify="right", no_wrap=True)
+def buffers_table(ck: CheckpointInfo):
+    """One row per buffer; long names fold to their distinguishing last parts."""
+    headers = ("buffer (tensor name)", "params", "numel", "padded", "per rank", "bytes")
     rows = [
         (
             b.name,
@@ -152,9 +146,7 @@ def buffers_table(ck: CheckpointInfo) -> Table:
         )
         for b in ck.buffers
     ]
-    for row in _fold(rows, 6):
-        table.add_row(*row)
-    return table
+    return rich_table("flat buffers", headers, _fold(rows, 6), right=range(1, 6), names=(0,))
 
 
 def files_table(ck: CheckpointInfo):

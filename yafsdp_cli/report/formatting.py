@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # Rich is imported when a table is made: --json never needs it
-    from rich.table import Table
     from rich.text import Text
+
+    from .fit_table import FitTable
 
 from ..errors import printable
 from ..schemes import Scheme
@@ -121,15 +122,13 @@ def rich_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[Any]],
     right: Sequence[int] = (),
-) -> Table:
-    from rich.table import Table
+    names: Sequence[int] = (),
+) -> FitTable:
+    """A table that fits the console's width (``fit_table``); ``names``: columns of
+    dotted names, folded to their distinguishing last parts."""
+    from .fit_table import fit_table
 
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="right" if i in right else "left")
-    for r in rows:
-        table.add_row(*(str(v) for v in r))
-    return table
+    return fit_table(title, headers, rows, right=right, names=names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +140,9 @@ class Section:
     rows: tuple[tuple[str, ...], ...]
     right: tuple[int, ...] = ()  # right-aligned columns
     caption: str = ""
-    names: tuple[int, ...] = ()  # columns of dotted names: folded in the middle, not wrapped
+    names: tuple[int, ...] = ()  # columns of dotted names: folded to their last parts
+    key: tuple[int, ...] = (0,)  # what names a row: repeated in each part of a split table
+    rules: bool = True  # rules between the columns (off: the room goes to the cells)
 
 
 def printable_section(s: Section) -> Section:
@@ -157,90 +158,28 @@ def printable_section(s: Section) -> Section:
     )
 
 
-def common_prefix(names: Sequence[str]) -> str:
-    """The dotted prefix every name shares (``model.layers.0.``), or ``""``."""
-    if len(names) < 2:
-        return ""
-    first, last = min(names), max(names)
-    n = 0
-    while n < min(len(first), len(last)) and first[n] == last[n]:
-        n += 1
-    return first[: first.rfind(".", 0, n) + 1]
-
-
-def fold_name(text: str, width: int, prefix: str = "") -> str:
-    """``text`` in at most ``width`` characters: what is cut is the ``prefix`` every
-    name of the column shares, from its end, then the name's own start, never its
-    end (``model.layers.0.self_attn.q_proj.weight`` -> ``model…q_proj.weight``), so
-    the names of one table stay as distinct as their tails: the tail says what a
-    parameter is, and the table's title says which unit it lives in."""
-    if len(text) <= width:
-        return text
-    if width <= 1:
-        return "…"[:width]
-    rest = text[len(prefix) :] if prefix and text.startswith(prefix) else text
-    room = width - 1 - len(rest)  # characters of the prefix that still fit before "…"
-    if room > 0:
-        return text[:room] + "…" + rest
-    return "…" + rest[len(rest) - (width - 1) :]
-
-
-class FoldedName:
-    """A table cell that never wraps: too narrow a column cuts the name's shared
-    prefix first and keeps its distinguishing tail (``fold_name``)."""
-
-    MIN_WIDTH = 16
-
-    def __init__(self, text: str, prefix: str = ""):
-        self.text, self.prefix = text, prefix
-
-    def __rich_measure__(self, console, options):
-        from rich.measure import Measurement
-
-        return Measurement(min(len(self.text), self.MIN_WIDTH), len(self.text))
-
-    def __rich_console__(self, console, options):
-        from rich.text import Text
-
-        folded = fold_name(self.text, options.max_width, self.prefix)
-        yield Text(folded, no_wrap=True, overflow="crop")
-
-
-def section_table(s: Section, *, fold_names: bool = True) -> Table:
-    """A Rich table of ``s``; cells are Text, not markup (names hold brackets). Name
-    columns fold when the terminal is narrow (full with ``fold_names`` off:
-    ``--all``). Columns of single words (numbers, slices such as ``[0:4,096]``) never
-    wrap, so a number is never split across lines."""
-    from rich.table import Table
+def section_table(s: Section, *, fold_names: bool = True) -> FitTable:
+    """A table of ``s`` that fits the console's width (``fit_table``): no column
+    narrower than its header's and its values' shortest form, no word broken; name
+    columns fold to their distinguishing last parts (full with ``fold_names`` off:
+    ``--all``, broken after a dot instead). Cells are Text, not markup (names hold
+    brackets)."""
     from rich.text import Text
 
+    from .fit_table import fit_table
+
     s = printable_section(s)
-    table = Table(
-        title=Text(s.title, style="bold"),
-        title_justify="left",
-        header_style="bold",
-        caption=Text(s.caption) if s.caption else None,
-        caption_justify="left",
-        show_header=any(s.headers),
+    return fit_table(
+        Text(s.title, style="bold"),
+        s.headers,
+        s.rows,
+        right=s.right,
+        names=s.names,
+        fold_names=fold_names,
+        key=s.key,
+        caption=s.caption or None,
+        simple=not s.rules,
     )
-    columns = list(zip(*s.rows)) if s.rows else [()] * len(s.headers)
-    prefixes = [common_prefix(c) if i in s.names else "" for i, c in enumerate(columns)]
-    for i, h in enumerate(s.headers):
-        words = i not in s.names and all(" " not in c for c in columns[i])
-        table.add_column(
-            Text(h),
-            justify="right" if i in s.right else "left",
-            overflow="fold",
-            no_wrap=words and any(ch.isdigit() for c in columns[i] for ch in c),
-        )
-    for row in s.rows:
-        table.add_row(
-            *(
-                FoldedName(cell, prefixes[i]) if fold_names and i in s.names else Text(cell)
-                for i, cell in enumerate(row)
-            )
-        )
-    return table
 
 
 def section_markdown(s: Section, escape=lambda t: t) -> str:

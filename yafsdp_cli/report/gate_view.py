@@ -71,13 +71,18 @@ def regression_line(m: MetricCheck) -> str:
     return f"{line}: {', '.join(m.explained_by)}" if m.explained_by else line
 
 
+def _counted(report: CheckReport) -> str:
+    """``no figure grew past its tolerance`` or ``3 figures grew past tolerance``."""
+    if report.passed:
+        return "no figure grew past its tolerance"
+    n = len(report.regressions)
+    return f"{n} {'figure' if n == 1 else 'figures'} grew past tolerance"
+
+
 def headline(report: CheckReport) -> str:
     """The verdict in one line, without the regressions it counts."""
-    if report.passed:
-        return f"ok: no figure grew past its tolerance ({_tolerances(report)})"
-    n = len(report.regressions)
-    figures = "figure" if n == 1 else "figures"
-    return f"memory regression: {n} {figures} grew past tolerance ({_tolerances(report)})"
+    verdict = "ok" if report.passed else "memory regression"
+    return f"{verdict}: {_counted(report)} ({_tolerances(report)})"
 
 
 def verdict(report: CheckReport) -> str:
@@ -115,21 +120,22 @@ def to_rich(report: CheckReport) -> list:
         out.append(rich_table(step, HEADERS, _rows(report, "step"), right=(1, 2, 3)))
     if report.modules:
         title = "saved for backward, by module (the largest)"
-        out.append(rich_table(title, MODULE_HEADERS, _module_rows(report.modules), (1, 2, 3, 4)))
+        rows = _module_rows(report.modules)
+        out.append(rich_table(title, MODULE_HEADERS, rows, (1, 2, 3, 4), names=(0,)))
     out += [Text(f"skipped: {s}", style="yellow") for s in report.skipped]
     return out
 
 
 def to_markdown(report: CheckReport) -> str:
     """For a pull request comment or a job summary (``>> $GITHUB_STEP_SUMMARY``)."""
-    status = "passed" if report.passed else "FAILED: memory regression"
+    status = "passed" if report.passed else "FAILED"
     lines = [
-        f"## yafsdp check: {status}",
+        f"## yafsdp check: {status}: {_counted(report)}",  # the verdict and its count first
         "",
         f"`{report.source}` against `{report.baseline_path}`; tolerance: {_tolerances(report)}.",
-        "",
     ]
-    lines += [headline(report)]
+    if report.regressions or report.skipped:
+        lines += [""]
     lines += [f"- **{regression_line(m)}**" for m in report.regressions]
     lines += [f"- skipped: {s}" for s in report.skipped]
     memory, step = _titles(report)

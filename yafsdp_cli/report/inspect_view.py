@@ -152,15 +152,12 @@ def buffer_section(
     report: InspectReport, index: int, others: Sequence[int], show_all: bool
 ) -> Section:
     b = report.buffers[index]
+    # every entry has the buffer's dtype (the layout checks it; the title names it);
+    # aliases only where an entry has one: a column that says nothing costs room
+    aliased = any(e.aliases for e in b.entries)
     rows = [
-        (
-            e.name,
-            f"{e.offset:,}",
-            f"{e.numel:,}",
-            _shape(e.shape),
-            dtypes.short(e.dtype),
-            ", ".join(e.aliases),
-        )
+        (e.name, f"{e.offset:,}", f"{e.numel:,}", _shape(e.shape))
+        + ((", ".join(e.aliases),) if aliased else ())
         for e in b.entries
     ]
     rows = _fold(rows, ENTRY_HEAD, ENTRY_TAIL, show_all, "entries")
@@ -169,8 +166,8 @@ def buffer_section(
     if others:
         names = [report.buffers[i].unit or report.buffers[i].name for i in others]
         caption = f"+{len(others)} more buffers with this layout: {_span(names)} (--all shows each)"
-    headers = ("entry", "offset", "numel", "shape", "dtype", "aliases")
-    return Section(title, headers, tuple(rows), right=(1, 2), caption=caption, names=(0, 5))
+    headers = ("entry", "offset", "numel", "shape") + (("aliases",) if aliased else ())
+    return Section(title, headers, tuple(rows), right=(1, 2), caption=caption, names=(0, 4))
 
 
 def _buffer_facts(b: BufferInfo) -> str:

@@ -42,6 +42,8 @@ def time_section(report: PlanReport) -> Section | None:
         rows=tuple(cells),
         right=tuple(i for i in figures if headers[i] != HEADERS[CHECKPOINTING]),
         caption="" if rows else "nothing in the grid fits",
+        key=tuple(i for i in figures if headers[i] in HEADERS[: CHECKPOINTING + 1]),
+        rules=False,  # as the grid above it: eight columns fit in 80
     )
 
 

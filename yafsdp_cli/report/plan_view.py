@@ -334,23 +334,20 @@ def cells(report: PlanReport) -> tuple[list[str], list[list[str]]]:
 def to_rich(report: PlanReport, *, explain: bool = False) -> list:
     """The answer, the tables, and the legend; with ``explain`` every summary line
     and method note as well (JSON and markdown always carry them)."""
-    from rich import box
-    from rich.table import Table
     from rich.text import Text
+
+    from .fit_table import fit_table
 
     tables: list = [AnswerText(answer(report))]
     for ck in report.checkpointing:
         headers, body = grid(report, ck)
-        title = f"Will it fit? needed per rank, checkpointing {ck}"
-        # no vertical rules: four cells of "1009.81 MiB fits*" still fit in 80 columns
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        for i, h in enumerate(headers):
-            # Rich narrows wrappable columns first: the cells never wrap, nor get cut
-            table.add_column(h, justify="right" if i else "left", no_wrap=bool(i))
-        for row in body:
-            # a cell never breaks between its size and its verdict; a header may
-            table.add_row(*(Text(c, style=_style(c), no_wrap=True) for c in row))
-        tables.append(table)
+        title = Text(f"Will it fit? needed per rank, checkpointing {ck}", style="italic")
+        rows = [[Text(c, style=_style(c)) for c in row] for row in body]
+        # no vertical rules: four cells of "1009.81 MiB fits*" fit in 80 columns; a cell
+        # never breaks between its size and its verdict (a header may)
+        whole = range(1, len(headers))
+        right = range(1, len(headers))
+        tables.append(fit_table(title, headers, rows, right=right, whole=whole, simple=True))
     timed = time_section(report)
     if timed is not None:
         from .formatting import section_table

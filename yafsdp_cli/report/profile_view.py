@@ -271,7 +271,8 @@ def module_section(report: ProfileReport) -> Section:
         "saved for bw: bytes its forward made that were still alive when backward began "
         "(original); peaks: the most alive while it ran"
     )
-    return Section("Per module", headers, tuple(rows), right=(1, 2, 3, 4, 5), caption=caption)
+    right = (1, 2, 3, 4, 5)
+    return Section("Per module", headers, tuple(rows), right=right, caption=caption, names=(0,))
 
 
 def peak_module_section(step: StepProfile) -> Section:
@@ -292,6 +293,7 @@ def peak_module_section(step: StepProfile) -> Section:
         rows,
         right=(2, 3, 4),
         caption=caption,
+        names=(0,),
     )
 
 

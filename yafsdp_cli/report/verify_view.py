@@ -97,11 +97,17 @@ def blocks_words(blocks: BlockChoice | None) -> str:
 
 
 def header_line(budget: Budget, blocks: BlockChoice | None) -> str:
-    """What the run expects before it starts (stderr, so --json keeps stdout clean)."""
+    """What the run expected, printed once it has a verdict (stderr, so --json keeps
+    stdout clean)."""
     return (
         f"verify: estimated peak {_estimate_words(budget)}; available "
         f"{_available_words(budget)}; blocks: {blocks_words(blocks)}"
     )
+
+
+def waiting_words(budget: Budget) -> str:
+    """The waiting bar's words while the run goes on (the header line comes after it)."""
+    return f"estimated peak {human_bytes(budget.estimate.total)}, running"
 
 
 def refusal(budget: Budget, suggestions) -> str:
@@ -161,6 +167,8 @@ def worst_section(report: VerifyReport) -> Section:
         rows,
         right=(3, 5, 6),
         caption=caption,
+        names=(2,),
+        key=(0, 2),
     )
 
 
