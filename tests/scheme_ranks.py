@@ -36,6 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
 from tests.fsdp2_ranks import blocks, build, serve_rank
+from yafsdp_cli.engine.idioms import apply_checkpointing
+from yafsdp_cli.engine.train_step import step_loss
 from yafsdp_cli.profiling.tracker import StorageTracker, op_tensors
 
 
@@ -46,6 +48,10 @@ class StepJob:
     batch: int
     seq_len: int
     reshard_after_forward: bool = True
+    # "model": the model's own cross-entropy (labels = the inputs); "plan": the fake
+    # step's loss (``train_step.step_loss``), so the two steps differ by the engine alone
+    loss: str = "model"
+    checkpointing: str = "none"  # as the plan applies it (``idioms.apply_checkpointing``)
 
 
 @dataclass(frozen=True)
@@ -186,9 +192,17 @@ def run_step(job: StepJob) -> StepPeak:
         return _run_step(job)
 
 
+def _loss(wrapped, ids, job: StepJob):
+    if job.loss == "plan":
+        return step_loss(wrapped(input_ids=ids, use_cache=False), 0)
+    return wrapped(input_ids=ids, labels=ids).loss
+
+
 def _run_step(job: StepJob) -> StepPeak:
     torch.manual_seed(0)
     model = build(job.model)
+    if job.checkpointing != "none":
+        apply_checkpointing(model, job.checkpointing, ())
     wrapped = _wrap(model, job)
     buckets: list[torch.Tensor] = []
     if job.scheme == "ddp":
@@ -199,7 +213,7 @@ def _run_step(job: StepJob) -> StepPeak:
     ids = torch.randint(0, vocab, (job.batch, job.seq_len), generator=gen)
     for _ in range(2):  # warm-up: optimizer states; DDP rebuilds its buckets in the 2nd
         buckets.clear()
-        wrapped(input_ids=ids, labels=ids).loss.backward()
+        _loss(wrapped, ids, job).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     tracker = LocalStorages(1)
@@ -212,7 +226,7 @@ def _run_step(job: StepJob) -> StepPeak:
     tracker.assign([ids], "activations")
     with tracker:
         tracker.set_phase("forward")
-        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss = _loss(wrapped, ids, job)
         tracker.set_phase("backward")
         loss.backward()
         del loss

@@ -105,7 +105,7 @@ def profile_converted(
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
-        got = _steps(loaded, opts, fake_mode, ("converted",), lambda *_: None)
+        got = steps_at_depth(loaded, opts, fake_mode, ("converted",), lambda *_: None)
     if steps is not None:
         steps["converted"] = got.steps["converted"]
         steps["trace"] = got.how
@@ -201,17 +201,20 @@ def _run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None) ->
     return _Run(traced, layout, ckpt_note, batch, kernels, module)
 
 
-def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Steps:
-    """The steps of ``variants`` at the model's depth: under ``--fake``, a short model
-    traced, checked against one a period deeper and repeated (``periodic``), where it
-    has a stack of layers deep enough to gain; else, or where the check fails, the
-    whole model traced."""
+def steps_at_depth(loaded, opts: ProfileOptions, fake_mode, variants, progress, run=None):
+    """The steps of ``variants`` at the model's depth (a ``_Steps``): under ``--fake``,
+    a short model traced, checked against one a period deeper and repeated
+    (``periodic``), where it has a stack of layers deep enough to gain; else, or
+    where the check fails, the whole model traced. ``run`` builds and traces the
+    model at a depth (``_run``'s arguments; ``_run`` where None: the original and
+    the converted model; ``engine_step`` traces an engine's)."""
+    run = run or _run
     stack = find_stack(loaded.module) if opts.fake and loaded.module is not None else None
     why = _whole_why(stack, opts)
     if why is None:
         try:
-            short = _run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
-            check = _run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
+            short = run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
+            check = run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
         except YafsdpError:
             raise
         except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse; trace whole
@@ -221,11 +224,11 @@ def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Step
             if isinstance(done, _Steps):
                 return done
             why = done
-    run = _run(loaded, opts, fake_mode, variants, progress)
-    steps = {v: t.step for v, t in run.traced.items()}
+    whole = run(loaded, opts, fake_mode, variants, progress)
+    steps = {v: t.step for v, t in whole.traced.items()}
     depth = (stack.depth,) if stack is not None else ()
-    wall = {v: t.wall for v, t in run.traced.items()}
-    return _Steps(steps, PeriodicTrace(False, why, depth), run, wall, run.kernels, run.layout)
+    wall = {v: t.wall for v, t in whole.traced.items()}
+    return _Steps(steps, PeriodicTrace(False, why, depth), whole, wall, whole.kernels, whole.layout)
 
 
 def _whole_why(stack, opts: ProfileOptions) -> str | None:
@@ -283,7 +286,7 @@ def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
 
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
     holding = gpu_holding(opts)
-    got = _steps(loaded, opts, fake_mode, ("original", "converted"), progress)
+    got = steps_at_depth(loaded, opts, fake_mode, ("original", "converted"), progress)
     progress("done", len(STAGES), len(STAGES))
     original = _step_profile("original", got, loaded, opts, traces, holding)
     converted = _step_profile("converted", got, loaded, opts, traces, holding)
