@@ -83,7 +83,17 @@ CONFIGS = {
         num_experts_per_tok=2,
     ),
     # multi-head latent attention, a shared and 5 routed experts, 2 dense layers first
-    "deepseek3": lambda: deepseek_v3_shape(12, experts=5),
+    "deepseek3": lambda: deepseek_v3_shape(6, experts=5),
+    # fused q/k/v and gate/up projections
+    "phi3": lambda: tf.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    ),
 }
 MODEL_CLASSES = {
     "llama": tf.LlamaForCausalLM,
@@ -95,6 +105,7 @@ MODEL_CLASSES = {
     "mixtral-bench": tf.MixtralForCausalLM,
     "qwen3moe": tf.Qwen3MoeForCausalLM,
     "deepseek3": tf.DeepseekV3ForCausalLM,
+    "phi3": tf.Phi3ForCausalLM,
 }
 
 

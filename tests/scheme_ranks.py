@@ -1,12 +1,12 @@
 """The rank side of the scheme truth harness (``test_plan_scheme_truth.py``).
 
-Each rank trains a tiny transformers model for three steps under a real engine over
+Each rank trains a tiny transformers model for a few steps under a real engine over
 gloo, ``fully_shard`` (every decoder block, then the root) or
-``DistributedDataParallel``, with foreach AdamW, and measures the third with
+``DistributedDataParallel``, with foreach AdamW, and measures the last with
 the profiler's ``StorageTracker``: every storage the step's ops make, when it is
 freed, and ``resize_`` (FSDP2 frees and refills its unsharded parameters that way).
-Two warm-up steps come first: the first creates the optimizer states (the plan's
-fake step warms its optimizer up too), and in the second forward DDP rebuilds its
+A warm-up step comes first, and creates the optimizer states (the plan's fake step
+warms its optimizer up too); DDP takes a second, in whose forward it rebuilds its
 buckets in the order gradients became ready. What exists before the measured step
 (shards or whole parameters, optimizer states, DDP's buckets) is registered first,
 so the peak counts everything the rank holds.
@@ -211,7 +211,7 @@ def _run_step(job: StepJob) -> StepPeak:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (job.batch, job.seq_len), generator=gen)
-    for _ in range(2):  # warm-up: optimizer states; DDP rebuilds its buckets in the 2nd
+    for _ in range(2 if job.scheme == "ddp" else 1):  # optimizer states; DDP's rebuild
         buckets.clear()
         _loss(wrapped, ids, job).backward()
         opt.step()

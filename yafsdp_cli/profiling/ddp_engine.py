@@ -3,8 +3,8 @@ buckets written for the whole model.
 
 The model is the original one in the training dtype, with float32 masters of its
 16-bit parameters that the optimizer steps on (``precision.Masters``), as the
-profiler's original step has it; DDP wraps it with ``bucket_cap_mb=25`` (its
-default) and ``gradient_as_bucket_view`` as the scheme's settings say. Two stand-ins
+profiler's original step has it; DDP wraps it with its default buckets (25 MiB, the
+first 1 MiB) and ``gradient_as_bucket_view`` as the scheme's settings say. Two stand-ins
 make it run on fake tensors and a fake group, neither of which allocates:
 ``init_sync=False`` (the construction's check of every rank's shapes and broadcast of
 the weights read the tensors' data), and a communication hook that does what DDP's
@@ -45,7 +45,7 @@ class DdpEngine:
     """``DistributedDataParallel`` with these settings."""
 
     gradient_as_bucket_view: bool = False
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: int | None = None  # DDP's default: 25 MiB, the first bucket 1 MiB
 
     def cast(self, module: nn.Module, opts) -> None:
         cast_params(module, opts.step.param_dtype)
@@ -155,16 +155,19 @@ class _Made(contextlib.AbstractContextManager):
         return self.mode.__exit__(*exc)
 
 
-def bucket_sizes(params: list[tuple[int, torch.dtype]], cap_mb: int) -> list[int]:
+def bucket_sizes(params: list[tuple[int, torch.dtype]], cap_mb: int | None) -> list[int]:
     """The bytes of each bucket DDP rebuilds for parameters ``(numel, dtype)`` in the
-    order their gradients became ready: its own assignment, 1 MiB for a dtype's first
-    bucket and ``cap_mb`` MiB after."""
+    order their gradients became ready: its own assignment, a dtype's first bucket up
+    to 1 MiB and the rest up to 25 MiB (its defaults: ``cap_mb`` None), else every
+    bucket up to ``cap_mb`` MiB, as DDP takes a cap given."""
     import torch.distributed as dist
+    from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
 
     if not params:
         return []
     tensors = [torch.empty(n, dtype=d, device="meta") for n, d in params]
-    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, cap_mb * MIB]
+    cap = (cap_mb or _DEFAULT_BUCKET_CAP_MB) * MIB
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else cap, cap]
     buckets, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
     return [sum(tensors[i].numel() * tensors[i].element_size() for i in b) for b in buckets]
 
@@ -191,14 +194,15 @@ def with_buckets(step, sizes: list[int], opts):
     return dataclasses.replace(step, events=events)
 
 
-def _deep_order(orders: dict[int, list[str]], got, deep: nn.Module, train_dtype) -> list:
+def _deep_order(orders: dict, got, deep: nn.Module, train_dtype) -> list:
     """``(numel, dtype)`` of the whole model's trainable parameters in the order their
-    gradients became ready (see the module's docstring)."""
+    gradients became ready (see the module's docstring); ``orders``: the order of each
+    depth traced (None: the whole model)."""
     from .layer_stack import find_stack
 
     params = dict(deep.named_parameters())
     how = got.how
-    names = orders[max(orders)]
+    names = orders.get(None)
     if how.periodic:
         stack = find_stack(deep)
         short, check = (orders.get(d) for d in how.traced_layers)

@@ -147,13 +147,28 @@ def _tensors(out) -> list[torch.Tensor]:
 @dataclasses.dataclass
 class EngineStep:
     """An engine's step at the model's depth, how it was had (``periodic``), the batch
-    it ran on and how it was checkpointed."""
+    it ran on and how it was checkpointed; ``traced``: the step as traced, of ``depth``
+    layers (the short model's; None: the whole model)."""
 
     step: RecordedStep
     how: object  # periodic.PeriodicTrace
     batch: str
     ckpt_note: str
-    ops: int
+    traced: RecordedStep
+    depth: int | None
+
+
+def traced_step(loaded, opts: ProfileOptions, engine, rank: int, depth: int | None):
+    """The step of ``engine`` on rank ``rank`` traced at ``depth`` layers of the model's
+    stack (None: the whole model), not repeated: what ``EngineStep.traced`` is, at
+    another world size or rank."""
+    from .layer_stack import find_stack
+
+    loaded = adapt(loaded, opts.step)
+    stack = find_stack(loaded.module) if depth is not None else None
+    with fake_errors(True):
+        run, _ = _run(loaded, opts, make_fake_mode(), engine, rank, stack, depth)
+    return run.traced[VARIANT].step
 
 
 def engine_step(loaded, opts: ProfileOptions, engine, rank: int = 0) -> EngineStep:
@@ -162,19 +177,18 @@ def engine_step(loaded, opts: ProfileOptions, engine, rank: int = 0) -> EngineSt
     (see the note)."""
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode()
-    ran: dict[int, object] = {}  # depth traced -> the engine's model there
+    ran: dict[int | None, object] = {}  # depth traced (None: whole) -> the engine's model
 
     def run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None):
-        whole = stack.depth if stack is not None else 0
-        done, ran[whole if depth is None else depth] = _run(
-            loaded, opts, fake_mode, engine, rank, stack, depth
-        )
+        done, ran[depth] = _run(loaded, opts, fake_mode, engine, rank, stack, depth)
         return done
 
     with fake_errors(True):
         got = steps_at_depth(loaded, opts, fake_mode, (VARIANT,), lambda *_: None, run)
         step = engine.finish(got.steps[VARIANT], loaded, opts, got, ran)
-    return EngineStep(step, got.how, got.run.batch.describe(), got.run.ckpt_note, step.events.ops)
+    traced = got.run.traced[VARIANT].step
+    depth = got.how.traced_layers[0] if got.how.periodic else None
+    return EngineStep(step, got.how, got.run.batch.describe(), got.run.ckpt_note, traced, depth)
 
 
 def _run(loaded, opts: ProfileOptions, fake_mode, engine, rank, stack, depth):

@@ -91,13 +91,12 @@ class RankSizes:
         return self.rules[block].nbytes(world_size, rank, self.round_bytes)
 
 
-def rank_groups(shapes, world_size: int) -> tuple[tuple[int, int], ...]:
-    """The ranks of ``world_size`` that own the same rows of every dimension of
-    ``shapes`` (``(rows, ...)`` of each parameter), as ``(first, last)`` runs: one
-    step rewritten per run gives every rank's figures."""
+def rank_groups(rows: tuple[int, ...], world_size: int) -> tuple[tuple[int, int], ...]:
+    """The ranks of ``world_size`` that own as many rows of every dim 0 of ``rows`` (each
+    parameter's) as each other, as ``(first, last)`` runs: one step rewritten per run
+    gives every rank's figures."""
     signature = [
-        tuple(own_rows(rows, world_size, r) for rows in dict.fromkeys(shapes))
-        for r in range(world_size)
+        tuple(own_rows(n, world_size, r) for n in dict.fromkeys(rows)) for r in range(world_size)
     ]
     runs: list[list[int]] = []
     for r, sig in enumerate(signature):

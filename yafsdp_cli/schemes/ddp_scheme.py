@@ -39,4 +39,5 @@ DDP = Ddp(
     collectives=Collectives(gathers_params=False, reduces="all_reduce", sized_by="unit_grads"),
     inspect_key="ddp",
     timing_key="ddp",
+    engine="torch.nn.parallel.DistributedDataParallel",
 )
