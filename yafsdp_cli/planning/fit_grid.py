@@ -21,9 +21,9 @@ from functools import cache
 from ..engine.plan import plan
 from ..engine.records import retype_params
 from ..memory import estimate_memory
+from ..memory.step_schemes import SchemeSettings
 from ..mesh import Mesh
 from ..profiling.positions import position_limit
-from ..memory.step_schemes import SchemeSettings
 from ..schemes import FLAT
 from ..schemes import parse as parse_schemes
 from ..sources import load_source

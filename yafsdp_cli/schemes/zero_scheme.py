@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 from .base import SHARDED, WHOLE, Holds, Scheme, renamed, short_count
 
-
 # DeepSpeed's engine needs CUDA (its accelerator and ops), which the fake step on the
 # CPU has not; on CPU it runs only with DS_ACCELERATOR=cpu and a C++ build, which
 # ``tests/planning/test_plan_zero_truth.py`` uses where DeepSpeed is installed
