@@ -1,25 +1,39 @@
 """``plan --scheme``'s FSDP2 and DDP rows: each engine run in the fake step, every rank.
 
-A scheme whose engine runs here (``Scheme.engine``, other than the flat one, whose
-rows are the plan's own cells) has its rows from its own fake steps
-(``profiling.engine_step``): FSDP2's ``fully_shard`` on every unit and the root,
-DDP around the original model, under FakeTensorMode and a fake process group.
+A scheme whose engine runs here (``ENGINES``: FSDP2, DDP; the flat scheme's rows are
+the plan's own cells) has its rows from its own fake steps (``profiling.
+engine_step``): FSDP2's ``fully_shard`` on every unit and the root, DDP around the
+original model, under FakeTensorMode and a fake process group.
 
 One ``EngineJob`` per scheme, micro-batch and checkpointing choice, a picklable
 value like ``measure.Job``, so the plan's pool runs it beside the flat steps:
 
 - FSDP2 (``rank_sizes``' note): one step traced on rank 0 at the job's smallest world
-  size above 1, and its events rewritten to every other world size and rank; ranks
-  that own the same rows of every dimension are one group (``rank_sizes.rank_groups``:
-  most models have one per world size; 5 experts on 4 ranks have three), each
-  replayed once. The rewrite is checked before it is used: the same step traced at the
-  job's largest world size on its last rank must be the rewritten one, event for
-  event; where it is not, every world size and rank group is traced. World size 1
-  runs a job of its own (FSDP2 then all-gathers and reduces over one rank, a path
-  of its own).
-- DDP: every rank holds and runs the same, at every world size (nothing is sharded;
-  its buckets are sized by the model alone): one step, at world size 2 (or 1 where
-  the grid has nothing above), replayed once for every world size.
+  size, and its events rewritten to every other world size and rank; ranks that own
+  the same rows of every dimension are one group (``rank_sizes.rank_groups``: most
+  models have one per world size; 5 experts on 4 ranks have three), each replayed
+  once.
+- DDP: every rank holds and runs the same at every world size (nothing is sharded;
+  its buckets follow the model alone): one step, on rank 0 of 2, replayed once for
+  every world size.
+- World size 1: no engine. A training stack wraps a model in FSDP or DDP only to
+  train it on more than one rank (torchtitan applies ``fully_shard`` where its
+  ``dp_shard`` degree is above 1, DDP where ``dp_replicate`` is), so both schemes'
+  rows there are the original model's own step (``engine_step.Unwrapped``): one job,
+  ``scheme`` ``UNWRAPPED``, for both.
+
+[Note: one checked step per checkpointing choice]
+A step's checks cost a trace each: the periodic step's trace a period deeper
+(``periodic``), and FSDP2's rewrite to other world sizes and ranks, checked against
+the step traced on the last rank group of the job's largest world size, event for
+event. The steps of one scheme and checkpointing choice differ between
+micro-batches in their sizes alone, so one job of each, its smallest micro-batch's
+(the lead), makes both checks; the others trace one period and repeat and rewrite
+it unchecked, and each hands back a digest of its events with every size left out
+(``periodic.structure``). A job stands only where its lead's checks held and its
+digest is its lead's; else it is traced again with its own checks (``EngineRunner.
+take``). Where a lead's rewrite does not hold, it traces every world size and rank
+group itself. ``tests/planning/test_engine_rows.py`` plants a digest that differs.
 
 A cell's figures are ``measure.run_figures``' (phase peaks, what the model held at
 each, the activations, the reserved peaks), per rank group.
@@ -48,22 +62,38 @@ class RankFigures:
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """A job's figures: per cell, each rank group's; the fake steps traced; how (a
-    line for the scheme's notes)."""
+    line for the scheme's notes); its events' digest sizes aside, and whether its
+    checks held (see the note)."""
 
     cells: dict[Cell, tuple[RankFigures, ...]]
     steps: int
     how: str
+    digest: str
+    sound: bool
+
+
+UNWRAPPED = ""  # an ``EngineJob``'s scheme at world size 1: no engine, for every scheme
+SETTINGS = SchemeSettings()  # the unwrapped step's: it has no engine to set
 
 
 @dataclass(frozen=True, slots=True)
 class EngineJob:
     """One engine's fake steps for one micro-batch and checkpointing choice, at
-    ``world_sizes``; ``cell``: the one traced (what ``pool`` orders jobs by)."""
+    ``world_sizes``; ``cell``: the one traced (what ``pool`` orders jobs by);
+    ``lead``: it makes the checks the others of its ``family`` rely on (see the
+    note)."""
 
-    scheme: str  # ``Scheme.name``: a name crosses the pipe, the object is looked up
+    # ``Scheme.name`` (a name crosses the pipe, the object is looked up), or UNWRAPPED
+    scheme: str
     cell: Cell
     world_sizes: tuple[int, ...]
     settings: SchemeSettings
+    lead: bool = True
+
+    @property
+    def family(self) -> tuple:
+        """The jobs that differ from this one in the micro-batch alone."""
+        return (self.scheme, self.settings, self.cell.checkpointing, self.world_sizes)
 
     def run(self, loaded, opts, seq_len: int) -> EngineResult:
         return measure_engine(loaded, opts, seq_len, self)
@@ -77,45 +107,89 @@ class EngineRunner:
         self.loaded, self.opts, self.seq_len, self.origin = loaded, opts, seq_len, origin
         self.steps = 0  # fake steps traced
         self._cells: dict[tuple, tuple[RankFigures, ...]] = {}
-        self._how: dict[tuple, dict[str, int]] = {}  # how -> fake steps traced so
+        self._how: dict[tuple, list[str]] = {}  # each lead's how, in words
+        self._steps: dict[tuple, int] = {}  # fake steps traced, per scheme and settings
+        self._alone: set[tuple] = set()  # families whose jobs each check themselves
 
     def wanted(self, schemes, cells, settings: SchemeSettings) -> list[EngineJob]:
         """The jobs that give those of ``cells`` not measured yet, for each engine scheme
         of ``schemes``."""
-        jobs = []
-        for scheme in engine_schemes(schemes):
-            todo = [c for c in cells if (scheme.name, settings, c) not in self._cells]
-            jobs += engine_jobs((scheme,), todo, settings)
-        return jobs
+        todo = [
+            c
+            for c in cells
+            if any(_key(s, c, settings) not in self._cells for s in engine_schemes(schemes))
+        ]
+        jobs = [j for j in engine_jobs(schemes, todo, settings) if not self._has(j)]
+        return [j if j.lead or j.family not in self._alone else _as_lead(j) for j in jobs]
+
+    def _has(self, job: EngineJob) -> bool:
+        mb, ck = job.cell.choice
+        return all(
+            (job.scheme, job.settings, Cell.at(ws, mb, ck)) in self._cells for ws in job.world_sizes
+        )
 
     def take(self, found: dict) -> None:
-        """The results of ``pool.run_jobs`` (its engine jobs; others' ignored)."""
+        """The results of ``pool.run_jobs`` (its engine jobs; others' ignored). A job
+        that relied on a lead whose checks failed, or whose events are not its lead's,
+        is left out, and its family checks each job from then on."""
+        leads = {j.family: r for j, r in found.items() if isinstance(j, EngineJob) and j.lead}
         for job, result in found.items():
-            if isinstance(job, EngineJob):
-                for cell, ranks in result.cells.items():
-                    self._cells[(job.scheme, job.settings, cell)] = ranks
-                how = self._how.setdefault((job.scheme, job.settings), {})
-                how[result.how] = how.get(result.how, 0) + result.steps
-                self.steps += result.steps
+            if not isinstance(job, EngineJob):
+                continue
+            self.steps += result.steps
+            key = (job.scheme, job.settings)
+            self._steps[key] = self._steps.get(key, 0) + result.steps
+            lead = leads.get(job.family)
+            if not job.lead and not (lead and lead.sound and lead.digest == result.digest):
+                self._alone.add(job.family)
+                continue
+            for cell, ranks in result.cells.items():
+                self._cells[(job.scheme, job.settings, cell)] = ranks
+            ways = self._how.setdefault(key, [])
+            if job.lead and result.how not in ways:
+                ways.append(result.how)
+
+    def measure(self, schemes, cells, settings: SchemeSettings) -> None:
+        """Every cell of ``cells`` of each engine scheme, on as many processes as the
+        plan's jobs (twice at most: the second time, what the first left out)."""
+        from .pool import run_jobs
+
+        for _ in range(2):
+            jobs = self.wanted(schemes, cells, settings)
+            if not jobs:
+                return
+            found, _ = run_jobs(
+                jobs, loaded=self.loaded, opts=self.opts, seq_len=self.seq_len, origin=self.origin
+            )
+            self.take(found)
 
     def ranks(self, scheme: Scheme, cell: Cell, settings: SchemeSettings):
         """Each rank group's figures of ``scheme`` at ``cell``, measured now if not yet."""
-        key = (scheme.name, settings, cell)
-        if key not in self._cells:
-            from .pool import run_jobs
-
-            jobs = self.wanted((scheme,), [cell], settings)
-            found, _ = run_jobs(
-                jobs, loaded=self.loaded, opts=self.opts, seq_len=self.seq_len, origin=None
-            )
-            self.take(found)
-        return self._cells[key]
+        self.measure((scheme,), [cell], settings)
+        return self._cells[_key(scheme, cell, settings)]
 
     def how(self, scheme: Scheme, settings: SchemeSettings) -> str:
         """How ``scheme``'s rows were had, in words: each way, and its fake steps."""
-        ways = self._how.get((scheme.name, settings), {})
-        steps = sum(ways.values())
-        return "; ".join(ways) + f" ({steps} fake step{'s' if steps != 1 else ''} in all)"
+        ways = [*self._how.get((scheme.name, settings), ())]
+        steps = self._steps.get((scheme.name, settings), 0)
+        if (UNWRAPPED, SETTINGS) in self._how:
+            ways.insert(0, self._how[(UNWRAPPED, SETTINGS)][0])
+            steps += self._steps.get((UNWRAPPED, SETTINGS), 0)
+        return (
+            "; ".join(ways) + f"; checked on each checkpointing choice's first micro-batch "
+            f"({steps} fake step{'s' if steps != 1 else ''} in all)"
+        )
+
+
+def _key(scheme: Scheme, cell: Cell, settings: SchemeSettings) -> tuple:
+    """Where a cell's figures are kept: world size 1's are the unwrapped step's."""
+    if cell.world_size == 1:
+        return (UNWRAPPED, SETTINGS, cell)
+    return (scheme.name, settings, cell)
+
+
+def _as_lead(job: EngineJob) -> EngineJob:
+    return EngineJob(job.scheme, job.cell, job.world_sizes, job.settings, lead=True)
 
 
 def engine_schemes(schemes) -> tuple[Scheme, ...]:
@@ -124,72 +198,70 @@ def engine_schemes(schemes) -> tuple[Scheme, ...]:
 
 
 def engine_jobs(schemes, cells, settings: SchemeSettings) -> list[EngineJob]:
-    """The jobs that give every cell of ``cells`` for each engine scheme."""
-    jobs = []
-    choices = list(dict.fromkeys(c.choice for c in cells))
+    """The jobs that give every cell of ``cells`` for each engine scheme: per family,
+    its smallest micro-batch's the lead; world size 1 once for them all."""
+    micro_batches = sorted({c.micro_batch for c in cells})
+    checkpointing = list(dict.fromkeys(c.checkpointing for c in cells))
     sizes = sorted({c.world_size for c in cells})
-    for scheme in engine_schemes(schemes):
-        for mb, ck in choices:
-            for group in _size_groups(scheme, sizes):
-                jobs.append(EngineJob(scheme.name, Cell.at(group[0], mb, ck), group, settings))
+    above = tuple(ws for ws in sizes if ws > 1)
+    families = []
+    if 1 in sizes and engine_schemes(schemes):
+        families.append((UNWRAPPED, (1,), SETTINGS))
+    families += [(s.name, above, settings) for s in engine_schemes(schemes) if above]
+    jobs = []
+    for name, group, how in families:
+        for ck in checkpointing:
+            for k, mb in enumerate(micro_batches):
+                jobs.append(EngineJob(name, Cell.at(group[0], mb, ck), group, how, lead=k == 0))
     return jobs
 
 
-def _size_groups(scheme: Scheme, sizes: list[int]) -> list[tuple[int, ...]]:
-    """The world sizes one traced step gives: FSDP2's world size 1 apart from the rest;
-    DDP's every one, traced at 2 where the grid goes above 1."""
-    if scheme is DDP:
-        return [tuple(sizes)] if sizes else []
-    above = tuple(ws for ws in sizes if ws > 1)
-    return [g for g in ((1,) if 1 in sizes else (), above) if g]
-
-
 def measure_engine(loaded, opts, seq_len: int, job: EngineJob) -> EngineResult:
-    scheme = by_name(job.scheme)
-    engine = ENGINES[scheme](job.settings)
+    from ..profiling.engine_step import Unwrapped
+    from ..profiling.periodic import structure
+
     mb, ck = job.cell.choice
     cells = [Cell.at(ws, mb, ck) for ws in job.world_sizes]
-    if scheme is DDP:
-        traced_at = Cell.at(2 if max(job.world_sizes) > 1 else 1, mb, ck)
-        got = _engine_step(loaded, opts, seq_len, traced_at, engine, 0)
-        found = figures_at(got.step.events, opts, cells)
-        how = (
-            f"per micro-batch and checkpointing, one step on rank 0 of {traced_at.world_size}, "
-            "the same on every rank and world size"
-        )
-        return EngineResult(
-            {c: (RankFigures(0, c.world_size - 1, f),) for c, f in found.items()}, 1, how
-        )
-    return _fsdp2(loaded, opts, seq_len, job, engine, cells)
+    scheme = by_name(job.scheme) if job.scheme != UNWRAPPED else None
+    if scheme is FSDP2:
+        return _fsdp2(loaded, opts, seq_len, job, ENGINES[scheme](job.settings), cells)
+    at = Cell.at(2 if scheme is DDP else 1, mb, ck)
+    engine = ENGINES[scheme](job.settings) if scheme is DDP else Unwrapped()
+    got = _engine_step(loaded, opts, seq_len, at, engine, 0, job.lead)
+    found = figures_at(got.step.events, opts, cells)
+    how = (
+        "world size 1: the original model's own step, no engine, per micro-batch and checkpointing"
+        if scheme is None
+        else "world sizes above 1: per micro-batch and checkpointing, one step on rank 0 of "
+        "2, the same on every rank and world size"
+    )
+    return EngineResult(
+        {c: (RankFigures(0, c.world_size - 1, f),) for c, f in found.items()},
+        1, how, structure(got.traced), got.sound,
+    )  # fmt: skip
 
 
 def _fsdp2(loaded, opts, seq_len: int, job: EngineJob, engine, cells) -> EngineResult:
-    from ..profiling.engine_step import traced_step
+    from ..profiling.periodic import structure
     from ..sources.adapted import adapt
 
-    got = _engine_step(loaded, opts, seq_len, job.cell, engine, 0)
+    got = _engine_step(loaded, opts, seq_len, job.cell, engine, 0, job.lead)
     rows = _rows_of(adapt(loaded, opts.step).module)
     groups = {c: rank_groups(rows, c.world_size) for c in cells}
-    ws0 = job.cell.world_size
+    ws0, sizes = job.cell.world_size, ", ".join(str(c.world_size) for c in cells)
+    steps, sound, rewrite = 1, got.sound, True
+    how = f"world sizes {sizes}: per micro-batch and checkpointing, one step on rank 0 of {ws0}"
     last = cells[-1]
     check = (last.world_size, groups[last][-1][0])
-    steps = 1
-    how = f"world size {ws0}: one step per micro-batch and checkpointing"
-    if ws0 > 1:
-        sizes = ", ".join(str(c.world_size) for c in cells)
-        how = f"world sizes {sizes}: per micro-batch and checkpointing, one step on rank 0 of {ws0}"
-    rewrite = ws0 > 1
-    if rewrite and check != (ws0, 0):
-        traced = traced_step(loaded, step_options(opts, seq_len, last), engine, check[1], got.depth)
-        steps += 1
-        written = at_rank(got.traced, *check)
-        rewrite = written is not None and _same(written, traced.events)
+    if job.lead and check != (ws0, 0):
+        rewrite = _rewrites(loaded, opts, seq_len, engine, got, last, check[1])
+        steps, sound = steps + 1, sound and rewrite
         how += (
             f", rewritten to each world size and rank, checked against a trace on rank "
             f"{check[1]} of {check[0]}"
             if rewrite
-            else f"; each world size and rank traced (rank {check[1]} of {check[0]} is not "
-            "the rewritten step)"
+            else f"; each world size and rank traced (rank {check[1]} of {check[0]} is "
+            "not the rewritten step)"
         )
     out = {}
     for cell in cells:
@@ -204,21 +276,30 @@ def _fsdp2(loaded, opts, seq_len: int, job: EngineJob, engine, cells) -> EngineR
                 steps += 1
             ranks.append(RankFigures(first, end, run_figures(events, opts, cell)))
         out[cell] = tuple(ranks)
-    return EngineResult(out, steps, how)
+    return EngineResult(out, steps, how, structure(got.traced), sound)
 
 
-def _engine_step(loaded, opts, seq_len: int, cell: Cell, engine, rank: int):
-    from ..profiling.engine_step import engine_step
-
-    return engine_step(loaded, step_options(opts, seq_len, cell), engine, rank)
-
-
-def _same(written, traced) -> bool:
-    """Whether two steps' events are the same, blocks numbered as first sized."""
+def _rewrites(loaded, opts, seq_len: int, engine, got, cell: Cell, rank: int) -> bool:
+    """Whether ``got``'s traced step rewritten to ``rank`` of ``cell``'s world size is
+    the step traced there, event for event."""
+    from ..profiling.engine_step import traced_step
     from ..profiling.periodic import canonical
     from ..profiling.shard_sizes import RecordedStep
 
-    return canonical(RecordedStep(written, None))[:2] == canonical(RecordedStep(traced, None))[:2]
+    written = at_rank(got.traced, cell.world_size, rank)
+    if written is None:
+        return False
+    traced = traced_step(loaded, step_options(opts, seq_len, cell), engine, rank, got.depth)
+    return (
+        canonical(RecordedStep(written, None))[:2]
+        == canonical(RecordedStep(traced.events, None))[:2]
+    )
+
+
+def _engine_step(loaded, opts, seq_len: int, cell: Cell, engine, rank: int, checked=True):
+    from ..profiling.engine_step import engine_step
+
+    return engine_step(loaded, step_options(opts, seq_len, cell), engine, rank, checked)
 
 
 def _rows_of(module) -> tuple[int, ...]:

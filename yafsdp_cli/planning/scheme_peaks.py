@@ -157,7 +157,7 @@ def compare_schemes(
         runner.prefetch([_reference(c, True) for c in cells])
     if engines is None:
         engines = EngineRunner(loaded, opts, runner.seq_len, runner.origin)
-    _measure_engines(engines, chosen, cells, settings)
+    engines.measure(chosen, cells, settings)  # what the plan's pool did not run
     memory = _scheme_memory(loaded, opts)
     rows = _RowMaker(opts, memory, fit, runner, settings, engines)
     grids = {s: tuple(rows(s, c) for c in cells) for s in chosen}
@@ -169,20 +169,6 @@ def compare_schemes(
 def _reference(cell: Cell, whole_params: bool) -> Cell:
     """The flat step a scheme's cell stands on: the cell's own, or at world size 1."""
     return Cell.at(1, cell.micro_batch, cell.checkpointing) if whole_params else cell
-
-
-def _measure_engines(engines: EngineRunner, chosen, cells, settings) -> None:
-    """The engine schemes' cells the plan's pool did not run (none, for the plan's own
-    grid), on as many processes as the plan's jobs."""
-    jobs = engines.wanted(chosen, cells, settings)
-    if jobs:
-        from .pool import run_jobs
-
-        found, _ = run_jobs(
-            jobs, loaded=engines.loaded, opts=engines.opts, seq_len=engines.seq_len,
-            origin=engines.origin,
-        )  # fmt: skip
-        engines.take(found)
 
 
 class _RowMaker:

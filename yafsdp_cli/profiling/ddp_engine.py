@@ -20,8 +20,9 @@ the parameters in the order their gradients became ready, cut by its own
 after (``dist._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb``), one dtype each. The
 order is the traced step's, each layer's parameters repeated to the model's depth
 as the step's events are (``periodic``), checked against the order of the step a
-period deeper; where it differs, or the step was traced whole, the order is the
-traced one as it is.
+period deeper where there is one; where it differs, the parameters' own order
+reversed (DDP's guess before it has seen a backward); where the step was traced
+whole, the traced order as it is.
 """
 
 from __future__ import annotations
@@ -205,9 +206,10 @@ def _deep_order(orders: dict, got, deep: nn.Module, train_dtype) -> list:
     names = orders.get(None)
     if how.periodic:
         stack = find_stack(deep)
-        short, check = (orders.get(d) for d in how.traced_layers)
+        short = orders[how.traced_layers[0]]
+        check = orders.get(how.traced_layers[-1]) if len(how.traced_layers) > 1 else None
         names = repeat_order(short, stack, stack.depth)
-        if short is None or check is None or repeat_order(short, stack, stack.checked) != check:
+        if check is not None and repeat_order(short, stack, stack.checked) != check:
             names = [n for n, p in reversed(params.items()) if p.requires_grad]
     out = []
     for n in names:

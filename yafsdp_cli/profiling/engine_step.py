@@ -83,6 +83,40 @@ def fake_process_group(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unwrapped:
+    """No engine: the original model as one GPU trains it (its 16-bit parameters with
+    float32 masters, as the profiler's original step), the step a training stack runs
+    on a single rank (torchtitan applies FSDP and DDP only to more than one)."""
+
+    def cast(self, module: nn.Module, opts) -> None:
+        from .precision import cast_params
+
+        cast_params(module, opts.step.param_dtype)
+
+    def wrap(self, module: nn.Module, layout, opts, modes) -> _Alone:
+        return _Alone(module)
+
+    def finish(self, step, loaded, opts, got, ran: dict):
+        return step
+
+
+class _Alone:
+    masters = True
+
+    def __init__(self, module: nn.Module):
+        self.forward, self.params = module, list(module.parameters())
+
+    def before(self, tracker, opt) -> None:
+        pass
+
+    def tracking(self, tracker):
+        return contextlib.nullcontext()
+
+    def sizes(self, tracker):
+        return None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -156,6 +190,9 @@ class EngineStep:
     ckpt_note: str
     traced: RecordedStep
     depth: int | None
+    # the step is what it should be on its own: repeated where the check held, or
+    # traced whole where that was the plan (not because a check failed)
+    sound: bool = True
 
 
 def traced_step(loaded, opts: ProfileOptions, engine, rank: int, depth: int | None):
@@ -171,10 +208,16 @@ def traced_step(loaded, opts: ProfileOptions, engine, rank: int, depth: int | No
     return run.traced[VARIANT].step
 
 
-def engine_step(loaded, opts: ProfileOptions, engine, rank: int = 0) -> EngineStep:
-    """The fake step of ``engine`` (``fsdp2_engine.FSDP2_ENGINE``-like: ``wrap``,
-    ``finish``) on rank ``rank`` of ``opts.layout.world_size``, at the model's depth
-    (see the note)."""
+def engine_step(
+    loaded, opts: ProfileOptions, engine, rank: int = 0, checked: bool = True
+) -> EngineStep:
+    """The fake step of ``engine`` (``fsdp2_engine.Fsdp2Engine``, ``ddp_engine.
+    DdpEngine``) on rank ``rank`` of ``opts.layout.world_size``, at the model's depth
+    (see the note); ``checked`` False: one period repeated without a trace a period
+    deeper (the caller checks it against a step that had one)."""
+    from .layer_stack import find_stack
+    from .profiler import _whole_why
+
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode()
     ran: dict[int | None, object] = {}  # depth traced (None: whole) -> the engine's model
@@ -184,11 +227,17 @@ def engine_step(loaded, opts: ProfileOptions, engine, rank: int = 0) -> EngineSt
         return done
 
     with fake_errors(True):
-        got = steps_at_depth(loaded, opts, fake_mode, (VARIANT,), lambda *_: None, run)
+        got = steps_at_depth(
+            loaded, opts, fake_mode, (VARIANT,), lambda *_: None, run, checked=checked
+        )
         step = engine.finish(got.steps[VARIANT], loaded, opts, got, ran)
     traced = got.run.traced[VARIANT].step
     depth = got.how.traced_layers[0] if got.how.periodic else None
-    return EngineStep(step, got.how, got.run.batch.describe(), got.run.ckpt_note, traced, depth)
+    planned_whole = _whole_why(find_stack(loaded.module), opts) is not None
+    return EngineStep(
+        step, got.how, got.run.batch.describe(), got.run.ckpt_note, traced, depth,
+        sound=got.how.periodic or planned_whole,
+    )  # fmt: skip
 
 
 def _run(loaded, opts: ProfileOptions, fake_mode, engine, rank, stack, depth):

@@ -34,6 +34,7 @@ written; else the whole model is traced, and the report says why.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 from .layer_stack import Stack
@@ -401,6 +402,17 @@ def canonical(step: RecordedStep) -> tuple:
         rules = sorted((order[b], rule) for b, rule in ranks.rules.items() if b in order)
         tags = (tags, tuple(rules), ranks.clean, ranks.world_size, ranks.rank)
     return tuple(out), blocks, tags
+
+
+def structure(step: RecordedStep) -> str:
+    """A digest of what two steps of one model share when only their sizes differ (a
+    micro-batch from another): ``canonical``'s events with each size change as its
+    sign, each block's attributes, each named block's size rule. The same in every
+    process (``hash`` of a string is not)."""
+    events, blocks, tags = canonical(step)
+    signs = tuple((e[0], e[1], e[2] > 0) if e[0] == SIZE else e for e in events)
+    text = repr((signs, blocks, tags if step.ranks is not None else ()))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def first_difference(a: RecordedStep, b: RecordedStep) -> str:

@@ -42,7 +42,7 @@ from .gpu_holding import GpuHolding, gpu_holding, reserved_peak
 from .kernels import CudaAttention
 from .layer_stack import cut, find_stack
 from .modules import module_names, peak_shares, tracking_layers, tracking_modules
-from .periodic import PeriodicTrace, matches, repeat
+from .periodic import NotPeriodicError, PeriodicTrace, matches, repeat
 from .positions import index_errors
 from .precision import Masters, cast_params
 from .profile_options import ProfileOptions
@@ -201,20 +201,25 @@ def _run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None) ->
     return _Run(traced, layout, ckpt_note, batch, kernels, module)
 
 
-def steps_at_depth(loaded, opts: ProfileOptions, fake_mode, variants, progress, run=None):
+def steps_at_depth(
+    loaded, opts: ProfileOptions, fake_mode, variants, progress, run=None, checked: bool = True
+):
     """The steps of ``variants`` at the model's depth (a ``_Steps``): under ``--fake``,
     a short model traced, checked against one a period deeper and repeated
     (``periodic``), where it has a stack of layers deep enough to gain; else, or
     where the check fails, the whole model traced. ``run`` builds and traces the
     model at a depth (``_run``'s arguments; ``_run`` where None: the original and
-    the converted model; ``engine_step`` traces an engine's)."""
+    the converted model; ``engine_step`` traces an engine's). ``checked`` False: the
+    short model repeated unchecked (its caller checks it against another step's)."""
     run = run or _run
     stack = find_stack(loaded.module) if opts.fake and loaded.module is not None else None
     why = _whole_why(stack, opts)
     if why is None:
         try:
             short = run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
-            check = run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
+            check = None
+            if checked:
+                check = run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
         except YafsdpError:
             raise
         except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse; trace whole
@@ -247,9 +252,11 @@ def _whole_why(stack, opts: ProfileOptions) -> str | None:
     return None
 
 
-def _repeated(short: _Run, check: _Run, stack, variants, loaded, opts) -> _Steps | str:
-    """The steps at the model's depth from ``short`` where ``check`` confirms them;
-    else why not."""
+def _repeated(short: _Run, check: _Run | None, stack, variants, loaded, opts) -> _Steps | str:
+    """The steps at the model's depth from ``short`` where ``check`` confirms them
+    (None: unchecked); else why not."""
+    if check is None:
+        return _unchecked(short, stack, variants)
     steps, wall = {}, {}
     for v in variants:
         a, b = short.traced[v].step, check.traced[v].step
@@ -276,6 +283,25 @@ def _repeated(short: _Run, check: _Run, stack, variants, loaded, opts) -> _Steps
         opts.layout,
     )
     return _Steps(steps, how, short, wall, kernels, layout)
+
+
+def _unchecked(short: _Run, stack, variants) -> _Steps | str:
+    """The steps at the model's depth from ``short``, repeated without a check."""
+    steps, wall = {}, {}
+    for v in variants:
+        try:
+            steps[v] = repeat(short.traced[v].step, stack, stack.depth)
+        except NotPeriodicError as exc:
+            return f"{v} step of {stack.traced} layers is not periodic: {exc}"
+        wall[v] = short.traced[v].wall
+    how = PeriodicTrace(
+        True,
+        f"{stack.describe()}: traced {stack.traced} layers; the {stack.depth}-layer step is "
+        "that one with a period repeated, unchecked here: its events are those of a step "
+        "that was checked, sizes aside",
+        (stack.traced,),
+    )
+    return _Steps(steps, how, short, wall, short.kernels, short.layout)
 
 
 def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
