@@ -28,12 +28,15 @@ A step's checks cost a trace each: the periodic step's trace a period deeper
 the step traced on the last rank group of the job's largest world size, event for
 event. The steps of one scheme and checkpointing choice differ between
 micro-batches in their sizes alone, so one job of each, its smallest micro-batch's
-(the lead), makes both checks; the others trace one period and repeat and rewrite
-it unchecked, and each hands back a digest of its events with every size left out
-(``periodic.structure``). A job stands only where its lead's checks held and its
-digest is its lead's; else it is traced again with its own checks (``EngineRunner.
-take``). Where a lead's rewrite does not hold, it traces every world size and rank
-group itself. ``tests/planning/test_engine_rows.py`` plants a digest that differs.
+(the lead), checks its periodic step; the others trace one period and repeat it
+unchecked, and each hands back a digest of its events with every size left out
+(``periodic.structure``). FSDP2's rewrite depends on what the engine makes, not on
+the batch or the checkpointing: one lead of the scheme checks it, the first
+checkpointing choice's. A job stands only where its lead's check held, its digest is
+its lead's and (FSDP2) the rewrite held; else it is traced again with its own checks
+(``EngineRunner.take``). Where a rewrite does not hold, the job that checked it
+traces every world size and rank group itself. ``tests/planning/test_engine_rows.
+py`` plants a digest that differs and a rewrite that fails.
 
 A cell's figures are ``measure.run_figures``' (phase peaks, what the model held at
 each, the activations, the reserved peaks), per rank group.
@@ -41,10 +44,11 @@ each, the activations, the reserved peaks), per rank group.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..memory.step_schemes import SchemeSettings
-from ..profiling.rank_sizes import at_rank, rank_groups
+from ..profiling.rank_sizes import RankTraces, at_rank, rank_groups
 from ..schemes import DDP, FSDP2, Scheme, by_name
 from .cell import Cell
 from .measure import figures_at, run_figures, step_options
@@ -70,6 +74,8 @@ class EngineResult:
     how: str
     digest: str
     sound: bool
+    rewrites: bool | None = None  # FSDP2's rewrite checked here: it held; None: not checked
+    relies: bool = False  # some of its figures are an unchecked rewrite of its step
 
 
 UNWRAPPED = ""  # an ``EngineJob``'s scheme at world size 1: no engine, for every scheme
@@ -89,6 +95,7 @@ class EngineJob:
     world_sizes: tuple[int, ...]
     settings: SchemeSettings
     lead: bool = True
+    verify: bool = True  # checks FSDP2's rewrite to other world sizes and ranks
 
     @property
     def family(self) -> tuple:
@@ -110,6 +117,7 @@ class EngineRunner:
         self._how: dict[tuple, list[str]] = {}  # each lead's how, in words
         self._steps: dict[tuple, int] = {}  # fake steps traced, per scheme and settings
         self._alone: set[tuple] = set()  # families whose jobs each check themselves
+        self._verified: dict[tuple, bool] = {}  # (scheme, settings): its rewrite held
 
     def wanted(self, schemes, cells, settings: SchemeSettings) -> list[EngineJob]:
         """The jobs that give those of ``cells`` not measured yet, for each engine scheme
@@ -120,7 +128,14 @@ class EngineRunner:
             if any(_key(s, c, settings) not in self._cells for s in engine_schemes(schemes))
         ]
         jobs = [j for j in engine_jobs(schemes, todo, settings) if not self._has(j)]
-        return [j if j.lead or j.family not in self._alone else _as_lead(j) for j in jobs]
+        jobs = [_as_lead(j) if j.family in self._alone else j for j in jobs]
+        verified = {k for k, held in self._verified.items() if held}
+        return [
+            dataclasses.replace(j, verify=False)
+            if j.verify and (j.scheme, j.settings) in verified
+            else j
+            for j in jobs
+        ]
 
     def _has(self, job: EngineJob) -> bool:
         mb, ck = job.cell.choice
@@ -132,15 +147,21 @@ class EngineRunner:
         """The results of ``pool.run_jobs`` (its engine jobs; others' ignored). A job
         that relied on a lead whose checks failed, or whose events are not its lead's,
         is left out, and its family checks each job from then on."""
-        leads = {j.family: r for j, r in found.items() if isinstance(j, EngineJob) and j.lead}
-        for job, result in found.items():
-            if not isinstance(job, EngineJob):
-                continue
+        mine = {j: r for j, r in found.items() if isinstance(j, EngineJob)}
+        leads = {j.family: r for j, r in mine.items() if j.lead}
+        for j, r in mine.items():
+            if r.rewrites is not None:
+                key = (j.scheme, j.settings)
+                self._verified[key] = self._verified.get(key, True) and r.rewrites
+        for job, result in mine.items():
             self.steps += result.steps
             key = (job.scheme, job.settings)
             self._steps[key] = self._steps.get(key, 0) + result.steps
             lead = leads.get(job.family)
-            if not job.lead and not (lead and lead.sound and lead.digest == result.digest):
+            trusted = job.lead or (lead and lead.sound and lead.digest == result.digest)
+            if result.relies:
+                trusted = trusted and self._verified.get(key) is True
+            if not trusted:
                 self._alone.add(job.family)
                 continue
             for cell, ranks in result.cells.items():
@@ -189,7 +210,8 @@ def _key(scheme: Scheme, cell: Cell, settings: SchemeSettings) -> tuple:
 
 
 def _as_lead(job: EngineJob) -> EngineJob:
-    return EngineJob(job.scheme, job.cell, job.world_sizes, job.settings, lead=True)
+    """``job`` checking everything it relies on itself."""
+    return dataclasses.replace(job, lead=True, verify=True)
 
 
 def engine_schemes(schemes) -> tuple[Scheme, ...]:
@@ -210,9 +232,10 @@ def engine_jobs(schemes, cells, settings: SchemeSettings) -> list[EngineJob]:
     families += [(s.name, above, settings) for s in engine_schemes(schemes) if above]
     jobs = []
     for name, group, how in families:
-        for ck in checkpointing:
+        for n, ck in enumerate(checkpointing):
             for k, mb in enumerate(micro_batches):
-                jobs.append(EngineJob(name, Cell.at(group[0], mb, ck), group, how, lead=k == 0))
+                cell, lead = Cell.at(group[0], mb, ck), k == 0
+                jobs.append(EngineJob(name, cell, group, how, lead, verify=lead and n == 0))
     return jobs
 
 
@@ -249,13 +272,13 @@ def _fsdp2(loaded, opts, seq_len: int, job: EngineJob, engine, cells) -> EngineR
     rows = _rows_of(adapt(loaded, opts.step).module)
     groups = {c: rank_groups(rows, c.world_size) for c in cells}
     ws0, sizes = job.cell.world_size, ", ".join(str(c.world_size) for c in cells)
-    steps, sound, rewrite = 1, got.sound, True
+    steps, rewrite, held = 1, True, None
     how = f"world sizes {sizes}: per micro-batch and checkpointing, one step on rank 0 of {ws0}"
     last = cells[-1]
     check = (last.world_size, groups[last][-1][0])
-    if job.lead and check != (ws0, 0):
-        rewrite = _rewrites(loaded, opts, seq_len, engine, got, last, check[1])
-        steps, sound = steps + 1, sound and rewrite
+    if job.verify and check != (ws0, 0):
+        rewrite = held = _rewrites(loaded, opts, seq_len, engine, got, last, check[1])
+        steps += 1
         how += (
             f", rewritten to each world size and rank, checked against a trace on rank "
             f"{check[1]} of {check[0]}"
@@ -263,20 +286,26 @@ def _fsdp2(loaded, opts, seq_len: int, job: EngineJob, engine, cells) -> EngineR
             else f"; each world size and rank traced (rank {check[1]} of {check[0]} is "
             "not the rewritten step)"
         )
+    traces = RankTraces(got.step) if rewrite else None
+    relies = (
+        rewrite and held is None and any(c.world_size != ws0 or len(groups[c]) > 1 for c in cells)
+    )
     out = {}
     for cell in cells:
         ranks = []
         for first, end in groups[cell]:
+            events, trace = got.step.events, traces.trace if traces else None
             if (cell.world_size, first) == (ws0, 0):
-                events = got.step.events
+                pass
             elif rewrite:
                 events = at_rank(got.step, cell.world_size, first)
+                trace = traces.at(cell.world_size, first)
             else:
                 events = _engine_step(loaded, opts, seq_len, cell, engine, first).step.events
-                steps += 1
-            ranks.append(RankFigures(first, end, run_figures(events, opts, cell)))
+                trace, steps = None, steps + 1
+            ranks.append(RankFigures(first, end, run_figures(events, opts, cell, trace)))
         out[cell] = tuple(ranks)
-    return EngineResult(out, steps, how, structure(got.traced), sound)
+    return EngineResult(out, steps, how, structure(got.traced), got.sound, held, relies)
 
 
 def _rewrites(loaded, opts, seq_len: int, engine, got, cell: Cell, rank: int) -> bool:

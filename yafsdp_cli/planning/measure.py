@@ -95,13 +95,14 @@ def step_options(opts: PlanOptions, seq_len: int, cell: Cell) -> ProfileOptions:
     )
 
 
-def run_figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
+def run_figures(events: StepEvents, opts: PlanOptions, cell: Cell, trace=None) -> dict[str, int]:
     """A step's phase peaks, what the model held at each (``HELD``, ``GRADS``), the
     activations then (``ACTS``), and its reserved peak under the plan's allocator
     setting; under the setting a plan may advise too, where that could change the
-    verdict: the cell does not fit under its own, and its allocated peak would."""
+    verdict: the cell does not fit under its own, and its allocated peak would.
+    ``trace``: the events' allocation trace, where it is made already."""
     with _collector_paused():
-        return _figures(events, opts, cell)
+        return _figures_at(events, opts, (cell,), trace)[cell]
 
 
 @contextlib.contextmanager
@@ -119,10 +120,6 @@ def _collector_paused():
             gc.enable()
 
 
-def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
-    return _figures_at(events, opts, (cell,))[cell]
-
-
 def figures_at(events: StepEvents, opts: PlanOptions, cells) -> dict[Cell, dict[str, int]]:
     """``run_figures`` of one step's events at each of ``cells`` (a step the same at
     every world size: DDP's), its allocations replayed once; under the setting a plan
@@ -131,7 +128,7 @@ def figures_at(events: StepEvents, opts: PlanOptions, cells) -> dict[Cell, dict[
         return _figures_at(events, opts, tuple(cells))
 
 
-def _figures_at(events: StepEvents, opts: PlanOptions, cells) -> dict[Cell, dict[str, int]]:
+def _figures_at(events: StepEvents, opts: PlanOptions, cells, trace=None) -> dict:
     phase_peaks, breakdowns = events.phase_peaks()
     figures = dict(phase_peaks)
     for p, b in breakdowns.items():
@@ -141,7 +138,7 @@ def _figures_at(events: StepEvents, opts: PlanOptions, cells) -> dict[Cell, dict
     confs = plan_confs(opts)
     if not confs:
         return {c: figures for c in cells}
-    trace = events.alloc_trace()
+    trace = trace or events.alloc_trace()
     figures.update(replayed(trace, confs[:1]))
     own = figures[RESERVED + str(confs[0])]
     advised = None

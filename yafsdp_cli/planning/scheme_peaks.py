@@ -95,6 +95,7 @@ class SchemeRow:
     # the scheme is modelled (its figures are its fullest rank's)
     ranks: tuple[RankPeak, ...] = ()
     modelled: bool = False  # from the memory model's parts, not a run of the engine
+    rank_spread_bytes: int = 0  # the fullest rank's peak minus the emptiest's
 
     @property
     def cell(self) -> Cell:
@@ -222,10 +223,12 @@ class _RowMaker:
             RankPeak(r.first, r.last, g["peak_bytes"], g["reserved_bytes"], g["needed_bytes"], p)
             for r, g, p in groups
         )
+        peaks = [g.peak_bytes for g in ranks]
         return SchemeRow(
             scheme, cell.world_size, cell.micro_batch, cell.checkpointing, peak,
             f["reserved_bytes"], f["needed_bytes"], m.persistent, m.gather, m.reduce, act,
             peak - m.total - act, phase, f["fits"], f["fit"], ranks=ranks, modelled=False,
+            rank_spread_bytes=max(peaks) - min(peaks),
         )  # fmt: skip
 
     def _steps(self, ref: Cell) -> dict[str, StepAt]:

@@ -36,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..engine.layout import round_up
+from ..memory.caching_allocator import AllocTrace, TraceEvent
 from .timeline import SIZE
 
 PADDED, GATHERED, OWN = "padded", "gathered", "own"
@@ -90,6 +91,18 @@ class RankSizes:
     def nbytes(self, block: int, world_size: int, rank: int) -> int:
         return self.rules[block].nbytes(world_size, rank, self.round_bytes)
 
+    def sizes_at(self, world_size: int, rank: int) -> dict[int, int]:
+        """Every named block's bytes at ``world_size`` and ``rank`` (each rule sized
+        once: the layers of a stack share theirs)."""
+        by_rule: dict[SizeRule, int] = {}
+        out = {}
+        for block, rule in self.rules.items():
+            n = by_rule.get(rule)
+            if n is None:
+                n = by_rule[rule] = rule.nbytes(world_size, rank, self.round_bytes)
+            out[block] = n
+        return out
+
 
 def rank_groups(rows: tuple[int, ...], world_size: int) -> tuple[tuple[int, int], ...]:
     """The ranks of ``world_size`` that own as many rows of every dim 0 of ``rows`` (each
@@ -118,8 +131,8 @@ def at_rank(step, world_size: int, rank: int):
         return None
     if (world_size, rank) == (sizes.world_size, sizes.rank):
         return step.events
-    old = {b: sizes.nbytes(b, sizes.world_size, sizes.rank) for b in sizes.rules}
-    new = {b: sizes.nbytes(b, world_size, rank) for b in sizes.rules}
+    old = sizes.sizes_at(sizes.world_size, sizes.rank)
+    new = sizes.sizes_at(world_size, rank)
     out = []
     for ev in step.events.events:
         if ev[0] == SIZE and ev[1] in old:
@@ -130,3 +143,29 @@ def at_rank(step, world_size: int, rank: int):
             ev = (SIZE, ev[1], new[ev[1]] if ev[2] > 0 else -new[ev[1]])
         out.append(ev)
     return dataclasses.replace(step.events, events=tuple(out))
+
+
+class RankTraces:
+    """``at_rank``'s allocation traces (what the caching allocator's model replays),
+    each written from the step's own, made once: a named block's allocation takes its
+    size at the world size and rank, and one of no bytes is left out with its free.
+    The same trace as ``at_rank(...).alloc_trace()`` gives, block ids aside."""
+
+    def __init__(self, step):
+        self.step = step
+        self.blocks: list[int] = []
+        self.trace = step.events.alloc_trace(self.blocks)
+
+    def at(self, world_size: int, rank: int) -> AllocTrace:
+        new = self.step.ranks.sizes_at(world_size, rank)
+        start, out, before = self.trace.step_start, [], 0
+        for k, (e, b) in enumerate(zip(self.trace.events, self.blocks, strict=True)):
+            n = new.get(b)
+            if n is not None:
+                if not n:
+                    continue
+                if e.size:
+                    e = TraceEvent(e.block, n, e.stream)
+            out.append(e)
+            before += k < start
+        return AllocTrace(tuple(out), before)

@@ -53,15 +53,13 @@ def spread_lines(report: PlanReport) -> list[str]:
     lines = []
     for s in report.schemes:
         for r in s.rows:
-            peaks = [g.peak_bytes for g in r.ranks]
-            if len(set(peaks)) < 2:
+            if not r.rank_spread_bytes:
                 continue
             groups = ", ".join(f"{_ranks(g)} {human_bytes(g.peak_bytes)}" for g in r.ranks)
-            spread = max(peaks) - min(peaks)
             lines.append(
                 f"{s.scheme.name}, world size {r.world_size}, micro-batch {r.micro_batch}, "
-                f"{r.checkpointing}: ranks differ: {groups}; spread {human_bytes(spread)} "
-                f"({100 * spread / max(peaks):.1f}% of the fullest)"
+                f"{r.checkpointing}: ranks peak apart by {human_bytes(r.rank_spread_bytes)}: "
+                f"{groups}"
             )
     return lines
 
