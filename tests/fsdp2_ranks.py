@@ -21,7 +21,7 @@ import transformers as tf
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.hf_models import VOCAB, tiny_config
+from tests.hf_models import VOCAB, deepseek_v3_shape, tiny_config
 
 # hidden 48: dims 1 of the fused experts (2 * 96, 48) and the router (48) divide by
 # 2, 3 and 8, so a Shard(1) remedy exists at every world size of the harness
@@ -67,6 +67,33 @@ CONFIGS = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
+    # plan --scheme's truth (test_plan_scheme_truth.py): routed experts that split
+    # unevenly (5 on 2 ranks: 3 and 2; on 4: 2, 2, 1, 0), eight layers, so the plan's
+    # engine steps are one period traced and repeated
+    "qwen3moe": lambda: tf.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=5,
+        num_experts_per_tok=2,
+    ),
+    # multi-head latent attention, a shared and 5 routed experts, 2 dense layers first
+    "deepseek3": lambda: deepseek_v3_shape(6, experts=5),
+    # fused q/k/v and gate/up projections
+    "phi3": lambda: tf.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    ),
 }
 MODEL_CLASSES = {
     "llama": tf.LlamaForCausalLM,
@@ -76,6 +103,9 @@ MODEL_CLASSES = {
     "qwen2": tf.Qwen2ForCausalLM,
     "mixtral48": tf.MixtralForCausalLM,
     "mixtral-bench": tf.MixtralForCausalLM,
+    "qwen3moe": tf.Qwen3MoeForCausalLM,
+    "deepseek3": tf.DeepseekV3ForCausalLM,
+    "phi3": tf.Phi3ForCausalLM,
 }
 
 

@@ -44,9 +44,9 @@ def tiny_model(name: str):
     return getattr(tf, CLASSES[name])(tiny_config(name))
 
 
-def deepseek_v3_shape(layers: int):
-    """DeepSeek-V3's shape, tiny: multi-head latent attention, shared and routed
-    experts, and two dense layers first (``first_k_dense_replace``)."""
+def deepseek_v3_shape(layers: int, experts: int = 4):
+    """DeepSeek-V3's shape, tiny: multi-head latent attention, shared and ``experts``
+    routed experts, and two dense layers first (``first_k_dense_replace``)."""
     return tf.DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -55,7 +55,7 @@ def deepseek_v3_shape(layers: int):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        n_routed_experts=4,
+        n_routed_experts=experts,
         num_experts_per_tok=2,
         n_shared_experts=1,
         first_k_dense_replace=2,

@@ -1,13 +1,13 @@
 """The rank side of the scheme truth harness (``test_plan_scheme_truth.py``).
 
-Each rank trains a tiny transformers model for three steps under a real engine over
+Each rank trains a tiny transformers model for a few steps under a real engine over
 gloo, ``fully_shard`` (every decoder block, then the root) or
 ``DistributedDataParallel``, with foreach AdamW, and measures the third (of
 ``grad_accum`` micro-batches, gradient sync on in each or only in the last) with
 the profiler's ``StorageTracker``: every storage the step's ops make, when it is
 freed, and ``resize_`` (FSDP2 frees and refills its unsharded parameters that way).
-Two warm-up steps come first: the first creates the optimizer states (the plan's
-fake step warms its optimizer up too), and in the second forward DDP rebuilds its
+A warm-up step comes first, and creates the optimizer states (the plan's fake step
+warms its optimizer up too); DDP takes a second, in whose forward it rebuilds its
 buckets in the order gradients became ready. What exists before the measured step
 (shards or whole parameters, optimizer states, DDP's buckets) is registered first,
 so the peak counts everything the rank holds.
@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
 from tests.fsdp2_ranks import blocks, build, serve_rank
+from yafsdp_cli.engine.idioms import apply_checkpointing
+from yafsdp_cli.engine.train_step import step_loss
 from yafsdp_cli.profiling.tracker import StorageTracker, op_tensors
 
 
@@ -51,6 +53,10 @@ class StepJob:
     # set_requires_gradient_sync, DDP's no_sync) off until the last one where False
     grad_accum: int = 1
     sync: bool = True
+    # "model": the model's own cross-entropy (labels = the inputs); "plan": the fake
+    # step's loss (``train_step.step_loss``), so the two steps differ by the engine alone
+    loss: str = "model"
+    checkpointing: str = "none"  # as the plan applies it (``idioms.apply_checkpointing``)
 
 
 @dataclass(frozen=True)
@@ -191,9 +197,17 @@ def run_step(job: StepJob) -> StepPeak:
         return _run_step(job)
 
 
+def _loss(wrapped, ids, job: StepJob):
+    if job.loss == "plan":
+        return step_loss(wrapped(input_ids=ids, use_cache=False), 0)
+    return wrapped(input_ids=ids, labels=ids).loss
+
+
 def _run_step(job: StepJob) -> StepPeak:
     torch.manual_seed(0)
     model = build(job.model)
+    if job.checkpointing != "none":
+        apply_checkpointing(model, job.checkpointing, ())
     wrapped = _wrap(model, job)
     buckets: list[torch.Tensor] = []
     if job.scheme == "ddp":
@@ -202,9 +216,9 @@ def _run_step(job: StepJob) -> StepPeak:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (job.batch, job.seq_len), generator=gen)
-    for _ in range(2):  # warm-up: optimizer states; DDP rebuilds its buckets in the 2nd
+    for _ in range(2 if job.scheme == "ddp" else 1):  # optimizer states; DDP's rebuild
         buckets.clear()
-        wrapped(input_ids=ids, labels=ids).loss.backward()
+        _loss(wrapped, ids, job).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     tracker = LocalStorages(1)
@@ -219,7 +233,7 @@ def _run_step(job: StepJob) -> StepPeak:
         for m in range(job.grad_accum):
             with _sync(wrapped, job, last=m == job.grad_accum - 1):
                 tracker.set_phase("forward")
-                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss = _loss(wrapped, ids, job)
                 tracker.set_phase("backward")
                 loss.backward()
                 del loss

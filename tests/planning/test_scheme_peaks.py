@@ -171,13 +171,15 @@ def test_fsdp2_kept_gathered_peaks_with_every_unit_and_no_gradient():
 
 
 def _plan(*extra: str):
+    sizes = () if "--world-size" in extra else ("--world-size", "1,2,4")
     return runner.invoke(
         app,
         [
             "plan", "--model", "sample_models.models:gpt", "--gpu-memory", "2MiB",
-            "--reserve", "0", "--world-size", "1,2,4", "--micro-batch", "1,2",
+            "--reserve", "0", *sizes, "--micro-batch", "1,2",
             "--seq-len", "16", "--checkpointing", "none", *extra,
         ],
+        env={"COLUMNS": "400"},
     )  # fmt: skip
 
 
@@ -216,6 +218,50 @@ def test_plan_scheme_all_json_follows_its_schema(all_schemes):
     for flat, ddp in zip(by["flat"]["smallest"], by["ddp"]["smallest"]):
         if ddp["world_size"] is not None:
             assert flat["world_size"] is not None and flat["world_size"] <= ddp["world_size"]
+
+
+def test_each_row_says_whether_its_engine_ran_and_gives_every_ranks_peak(all_schemes):
+    """fsdp2 and ddp run their engines (every rank: runs of ranks cover them all, the
+    row's peak one of theirs); the zero stages are modelled and say so, rows and
+    scheme alike; the flat rows are the plan's own (every rank alike)."""
+    for s in all_schemes["schemes"]:
+        modelled = s["scheme"] in ("zero1", "zero2", "zero3")
+        assert s["modelled"] is modelled and ("modelled, not run" in s["method"]) is modelled
+        for r in s["rows"]:
+            assert r["modelled"] is modelled
+            if modelled:
+                assert r["ranks"] == [] and r["rank_spread_bytes"] == 0
+                continue
+            firsts = [g["first"] for g in r["ranks"]]
+            lasts = [g["last"] for g in r["ranks"]]
+            assert firsts[0] == 0 and lasts[-1] == r["world_size"] - 1
+            assert firsts[1:] == [x + 1 for x in lasts[:-1]]  # runs, in rank order
+            peaks = [g["peak_bytes"] for g in r["ranks"]]
+            assert r["peak_bytes"] in peaks
+            assert r["rank_spread_bytes"] == max(peaks) - min(peaks)
+    by = {s["scheme"]: s for s in all_schemes["schemes"]}
+    assert "fully_shard run in the fake step" in by["fsdp2"]["method"]
+    assert "DistributedDataParallel run in the fake step" in by["ddp"]["method"]
+    # one rank on its own: no engine wraps it, fsdp2 and ddp run the same step
+    one = [
+        [(r["micro_batch"], r["peak_bytes"]) for r in by[name]["rows"] if r["world_size"] == 1]
+        for name in ("fsdp2", "ddp")
+    ]
+    assert one[0] == one[1]
+
+
+def test_ranks_that_peak_apart_are_listed_with_explain():
+    """At 3 ranks the sample GPT's 64- and 256-row weights split 22, 22, 20 and 86, 86,
+    84: FSDP2's last rank peaks lower. The terminal points to it; --explain and the
+    markdown list each rank's peak."""
+    args = ["--world-size", "3", "--scheme", "fsdp2"]
+    out = " ".join(_plan(*args).output.split())
+    assert "ranks differ in 2 cells: --explain" in out  # micro-batches 1 and 2
+    explained = " ".join(_plan(*args, "--explain").output.split())
+    assert "fsdp2, world size 3, micro-batch 1, none: ranks peak apart by" in explained
+    assert "ranks 0-1 " in explained and "rank 2 " in explained
+    markdown = _plan(*args, "--format", "markdown").stdout
+    assert "ranks peak apart by" in markdown and "| rows | flat steps | engine run |" in markdown
 
 
 def test_schemes_fit_as_the_plan_does_with_the_itemised_outside_parts():

@@ -23,13 +23,16 @@ from ..engine.losses import resolve_loss, vocab_size
 from ..engine.plan import plan
 from ..engine.records import retype_params
 from ..memory import estimate_memory
+from ..memory.step_schemes import SchemeSettings
 from ..mesh import Mesh
 from ..profiling.positions import position_limit
 from ..schemes import FLAT
+from ..schemes import parse as parse_schemes
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell import Cell, grid
 from .cell_time import CellTimer, best_timed, timed_rows, timing_setup, with_timing
+from .engine_rows import EngineRunner
 from .measure import MICRO, Runner
 from .plan_options import MAX_WORLD_SIZE, PlanOptions
 from .plan_report import (
@@ -78,12 +81,17 @@ def plan_model(
     cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
     setup = timing_setup(opts)
     timer = CellTimer(loaded, opts, seq_len, setup, origin) if setup is not None else None
-    # the memory steps and the kernel counts in one pool: its workers start once
+    # the memory steps, the kernel counts and the engine schemes' steps in one pool:
+    # its workers start once
     jobs = runner.wanted(cells)
     if timer is not None:
         jobs += timer.wanted(opts.micro_batches, opts.checkpointing)
+    engines = EngineRunner(loaded, opts, seq_len, origin)
+    settings = scheme_settings or SchemeSettings()
+    jobs += engines.wanted(parse_schemes(opts.schemes), cells, settings)
     found, processes = run_jobs(jobs, loaded=loaded, opts=opts, seq_len=seq_len, origin=origin)
     runner.take(found, processes)
+    engines.take(found)
     rows = [_row(c, seq_len, memory(c.world_size), runner, fit) for c in cells]
     if timer is not None:
         timer.take(found)
@@ -99,7 +107,7 @@ def plan_model(
         report = with_timing(report, rows, timer, opts)
     if opts.schemes != (FLAT.name,):
         sizes = tuple(dict.fromkeys(r.world_size for r in rows))  # the plan's own grid
-        schemes = compare_schemes(loaded, opts, runner, fit, sizes, scheme_settings)
+        schemes = compare_schemes(loaded, opts, runner, fit, sizes, settings, engines)
         report = dataclasses.replace(
             report, schemes=schemes, fake_runs=runner.runs, fake_steps=runner.steps
         )

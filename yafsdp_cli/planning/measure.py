@@ -77,33 +77,33 @@ def measure_job(loaded, opts: PlanOptions, seq_len: int, job: Job):
 def _step(loaded, opts: PlanOptions, seq_len: int, cell: Cell):
     """One fake step at ``cell`` (``shard_sizes.RecordedStep``)."""
     steps: dict = {}
-    profile_converted(
-        loaded,
-        ProfileOptions(
-            layout=dataclasses.replace(opts.layout, world_size=cell.world_size),
-            step=dataclasses.replace(
-                opts.step,
-                batch=cell.micro_batch,
-                seq_len=seq_len,
-                checkpointing=cell.checkpointing,
-            ),
-            # the step's own rounding; the plan's GPU and allocator settings are applied
-            # to its trace afterwards (``reserved_fit``)
-            memory=MemoryOptions(round_bytes=opts.round_bytes),
-            fake=True,
-        ),
-        steps=steps,
-    )
+    profile_converted(loaded, step_options(opts, seq_len, cell), steps=steps)
     return steps["converted"]
 
 
-def run_figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
+def step_options(opts: PlanOptions, seq_len: int, cell: Cell) -> ProfileOptions:
+    """What a fake step at ``cell`` is asked: the plan's layout, step and rounding at
+    the cell's world size, micro-batch and checkpointing."""
+    return ProfileOptions(
+        layout=dataclasses.replace(opts.layout, world_size=cell.world_size),
+        step=dataclasses.replace(
+            opts.step, batch=cell.micro_batch, seq_len=seq_len, checkpointing=cell.checkpointing
+        ),
+        # the step's own rounding; the plan's GPU and allocator settings are applied
+        # to its trace afterwards (``reserved_fit``)
+        memory=MemoryOptions(round_bytes=opts.round_bytes),
+        fake=True,
+    )
+
+
+def run_figures(events: StepEvents, opts: PlanOptions, cell: Cell, trace=None) -> dict[str, int]:
     """A step's phase peaks, what the model held at each (``HELD``, ``GRADS``), the
     activations then (``ACTS``), and its reserved peak under the plan's allocator
     setting; under the setting a plan may advise too, where that could change the
-    verdict: the cell does not fit under its own, and its allocated peak would."""
+    verdict: the cell does not fit under its own, and its allocated peak would.
+    ``trace``: the events' allocation trace, where it is made already."""
     with _collector_paused():
-        return _figures(events, opts, cell)
+        return _figures_at(events, opts, (cell,), trace)[cell]
 
 
 @contextlib.contextmanager
@@ -121,7 +121,15 @@ def _collector_paused():
             gc.enable()
 
 
-def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int]:
+def figures_at(events: StepEvents, opts: PlanOptions, cells) -> dict[Cell, dict[str, int]]:
+    """``run_figures`` of one step's events at each of ``cells`` (a step the same at
+    every world size: DDP's), its allocations replayed once; under the setting a plan
+    may advise, once, where some cell needs it."""
+    with _collector_paused():
+        return _figures_at(events, opts, tuple(cells))
+
+
+def _figures_at(events: StepEvents, opts: PlanOptions, cells, trace=None) -> dict:
     phase_peaks, breakdowns, micro = events.phase_peaks()
     figures = dict(phase_peaks)
     for p, b in breakdowns.items():
@@ -131,13 +139,19 @@ def _figures(events: StepEvents, opts: PlanOptions, cell: Cell) -> dict[str, int
         figures[MICRO + p] = micro[p]
     confs = plan_confs(opts)
     if not confs:
-        return figures
-    trace = events.alloc_trace()
+        return {c: figures for c in cells}
+    trace = trace or events.alloc_trace()
     figures.update(replayed(trace, confs[:1]))
     own = figures[RESERVED + str(confs[0])]
-    if len(confs) > 1 and may_advise(opts, cell, own, max(phase_peaks.values())):
-        figures.update(replayed(trace, confs[1:]))
-    return figures
+    advised = None
+    out = {}
+    for cell in cells:
+        if len(confs) > 1 and may_advise(opts, cell, own, max(phase_peaks.values())):
+            advised = advised or {**figures, **replayed(trace, confs[1:])}
+            out[cell] = advised
+        else:
+            out[cell] = figures
+    return out
 
 
 class Runner:

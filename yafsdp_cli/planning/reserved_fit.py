@@ -104,10 +104,14 @@ class ReservedFit:
 
     def fields(self, cell: Cell) -> dict:
         """A ``PlanRow``'s allocated, reserved, outside and fit fields for ``cell``."""
-        figures = self.figures(cell)
+        return self.fields_of(self.figures(cell), cell)
+
+    def fields_of(self, figures: dict[str, int], cell: Cell) -> dict:
+        """``fields`` of a run's ``figures`` at ``cell`` (another step's than the
+        plan's: an engine's, one rank's)."""
         peak = top_phase(figures)[1]
         outside = self.outside(cell.world_size)
-        reserved = self.reserved(cell)
+        reserved = figures[RESERVED + str(self.confs[0])] if self.confs else peak
         here = headroom.fit(reserved, outside.total, self.gpu, self.margin)
         advice = None
         other = figures.get(RESERVED + str(self.confs[1])) if len(self.confs) > 1 else None

@@ -1,8 +1,14 @@
 """``plan --scheme``: the step's peak per rank under FSDP2, ZeRO-1/2/3 and DDP beside
 the flat scheme, over the plan's grid.
 
-A scheme's peak at (world size, micro-batch, checkpointing) is the highest phase of
-what it holds then (``Scheme.phase_peak``: persistent bytes, gathered
+The flat scheme's rows are the plan's own cells. FSDP2's and DDP's are their engines'
+own fake steps, every rank (``engine_rows``): a row shows the fullest rank (the one
+that needs the most, allocator and all), ``ranks`` every rank group's figures. The
+rest, ZeRO-1/2/3 (DeepSpeed needs CUDA to run), are modelled, and say so
+(``Scheme.modelled``):
+
+A modelled scheme's peak at (world size, micro-batch, checkpointing) is the highest
+phase of what it holds then (``Scheme.phase_peak``: persistent bytes, gathered
 parameters, gradients and their buffers as the scheme has them at that phase) plus
 the step's own bytes then, activations and temporaries, from the flat step the plan
 measures (``measure``):
@@ -20,10 +26,11 @@ the flat model's buffers and gradients, and a scheme's holdings are put in their
 place.
 
 Whether a scheme's cell fits is the plan's reserved test: the peak plus the
-fragmentation the caching allocator adds, taken from the flat step's replay of that
-cell (the schemes allocate the same activations and temporaries; only their
-persistent blocks differ), plus what the rank holds beside the allocator, at most
-the GPU's memory; the best configuration keeps the plan's margin free too.
+fragmentation the caching allocator adds (an engine's own step replayed; for a
+modelled scheme, the flat step's replay of that cell: the schemes allocate the same
+activations and temporaries, only their persistent blocks differ), plus what the
+rank holds beside the allocator, at most the GPU's memory; the best configuration
+keeps the plan's margin free too.
 
 With gradient accumulation (``--grad-accum``) every reference step runs the step's
 micro-batches, so each scheme holds what its reference holds between them (the flat
@@ -52,10 +59,23 @@ from ..memory.step_schemes import SchemeParts, SchemeSettings, StepAt, scheme_me
 from ..mesh import Mesh
 from ..schemes import FLAT, FSDP2, Scheme, parse
 from .cell import Cell, grid
-from .measure import Runner
+from .engine_rows import ENGINES, EngineRunner
+from .measure import ACTS, Runner
 from .plan_options import PlanOptions
 from .plan_report import NOT_WRITTEN
-from .reserved_fit import ReservedFit, keeping_margin
+from .reserved_fit import ReservedFit, keeping_margin, top_phase
+
+
+@dataclass(frozen=True, slots=True)
+class RankPeak:
+    """Ranks ``first`` to ``last`` (inclusive) of a scheme's cell each peak so."""
+
+    first: int
+    last: int
+    peak_bytes: int
+    reserved_bytes: int
+    needed_bytes: int
+    peak_phase: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +98,11 @@ class SchemeRow:
     peak_phase: str
     fits: bool
     fit: headroom.Fit = field(metadata=NOT_WRITTEN)  # ``needed_bytes`` and ``fits``' verdict
+    # every rank group's figures, rank order (the row's are the fullest's); empty where
+    # the scheme is modelled (its figures are its fullest rank's)
+    ranks: tuple[RankPeak, ...] = ()
+    modelled: bool = False  # from the memory model's parts, not a run of the engine
+    rank_spread_bytes: int = 0  # the fullest rank's peak minus the emptiest's
 
     @property
     def cell(self) -> Cell:
@@ -111,6 +136,8 @@ class SchemePlan:
     # micro-batch (``Scheme.unsynced``: fsdp2): its best configuration so
     no_sync_peak_bytes: int | None = None
     no_sync_fits: bool | None = None
+    modelled: bool = False  # the rows are modelled, not run (``Scheme.modelled``)
+    method: str = ""  # how the rows were had, in words
 
     @property
     def flat_saves_percent(self) -> float | None:
@@ -127,17 +154,24 @@ def compare_schemes(
     fit: ReservedFit,
     sizes: tuple[int, ...],
     settings: SchemeSettings | None = None,
+    engines: EngineRunner | None = None,
 ) -> tuple[SchemePlan, ...]:
     """Every scheme of ``opts.schemes`` over the plan's grid of world sizes
     (``sizes``); ``runner`` and ``fit`` are the plan's (``fit_grid``): the runner
-    measures the world-size-1 cells the whole-parameter schemes need where the plan's
-    grid has none; ``settings``: the schemes' knobs (their defaults where None)."""
+    measures the world-size-1 cells the modelled whole-parameter schemes need where
+    the plan's grid has none; ``engines``: the engine schemes' steps (the plan's pool
+    ran most of them; the rest run here); ``settings``: the schemes' knobs (their
+    defaults where None)."""
     settings = settings or SchemeSettings()
     chosen = parse(opts.schemes)
     cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
-    if any(s.whole_params for s in chosen):
+    if any(s.whole_params and s.modelled for s in chosen):
         runner.prefetch([_reference(c, True) for c in cells])
-    rows = _RowMaker(opts, _scheme_memory(loaded, opts), fit, runner, settings)
+    if engines is None:
+        engines = EngineRunner(loaded, opts, runner.seq_len, runner.origin)
+    engines.measure(chosen, cells, settings)  # what the plan's pool did not run
+    memory = _scheme_memory(loaded, opts)
+    rows = _RowMaker(opts, memory, fit, runner, settings, engines)
     grids = {s: tuple(rows(s, c) for c in cells) for s in chosen}
     flat_best = _best(grids[FLAT], opts) if FLAT in grids else None
     return tuple(_scheme_plan(s, grid, grids.get(FLAT, ()), flat_best, rows, opts)
@@ -152,9 +186,9 @@ def _reference(cell: Cell, whole_params: bool) -> Cell:
 class _RowMaker:
     """``(scheme, cell) -> SchemeRow``."""
 
-    def __init__(self, opts, memory: Callable, fit: ReservedFit, runner: Runner, settings):
+    def __init__(self, opts, memory: Callable, fit, runner: Runner, settings, engines):
         self.opts, self.memory, self.fit, self.runner = opts, memory, fit, runner
-        self.settings = settings
+        self.settings, self.engines = settings, engines
         self.whole_grads = memory.whole_grads  # world size -> every gradient whole
 
     def __call__(
@@ -162,6 +196,8 @@ class _RowMaker:
     ) -> SchemeRow:
         """``extra``: ``(phase, breakdown) -> bytes`` held beyond the scheme's own."""
         settings = settings or self.settings
+        if scheme in ENGINES:
+            return self._engine_row(scheme, cell, settings)
         ws, ck = cell.world_size, cell.checkpointing
         m = self.memory(scheme, ws, settings)
         steps = self._steps(_reference(cell, scheme.whole_params))
@@ -179,9 +215,37 @@ class _RowMaker:
         reserved = peak + self.fit.fragmentation(cell)
         outside = self.fit.outside(ws).total
         verdict = headroom.fit(reserved, outside, self.opts.memory.gpu_memory, self.fit.margin)
+        ranks = ()
+        if not scheme.modelled:  # the flat scheme: every rank's shards are alike
+            ranks = (RankPeak(0, ws - 1, peak, reserved, verdict.needed, phase),)
         return SchemeRow(
             scheme, ws, cell.micro_batch, ck, peak, reserved, verdict.needed, m.persistent,
             m.gather, m.reduce, act, peak - m.total - act, phase, verdict.fits, verdict,
+            ranks=ranks, modelled=scheme.modelled,
+        )  # fmt: skip
+
+    def _engine_row(self, scheme: Scheme, cell: Cell, settings) -> SchemeRow:
+        """The fullest rank of the engine's own steps (the one that needs the most),
+        every rank group's figures beside; the scheme's holdings from the memory
+        model, the step's activations at the peak, the rest its temporaries."""
+        m = self.memory(scheme, cell.world_size, settings)
+        groups = []
+        for r in self.engines.ranks(scheme, cell, settings):
+            fields = self.fit.fields_of(r.figures, cell)
+            phase = top_phase(r.figures)[0]
+            groups.append((r, fields, phase))
+        fullest, f, phase = max(groups, key=lambda g: (g[1]["needed_bytes"], g[1]["peak_bytes"]))
+        peak, act = f["peak_bytes"], fullest.figures.get(ACTS + phase, 0)
+        ranks = tuple(
+            RankPeak(r.first, r.last, g["peak_bytes"], g["reserved_bytes"], g["needed_bytes"], p)
+            for r, g, p in groups
+        )
+        peaks = [g.peak_bytes for g in ranks]
+        return SchemeRow(
+            scheme, cell.world_size, cell.micro_batch, cell.checkpointing, peak,
+            f["reserved_bytes"], f["needed_bytes"], m.persistent, m.gather, m.reduce, act,
+            peak - m.total - act, phase, f["fits"], f["fit"], ranks=ranks, modelled=False,
+            rank_spread_bytes=max(peaks) - min(peaks),
         )  # fmt: skip
 
     def unsynced(self, scheme: Scheme, cell: Cell) -> SchemeRow | None:
@@ -213,7 +277,8 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     saves = mine.peak_bytes - flat.peak_bytes if flat and mine else None
     plan = SchemePlan(
         scheme, scheme.configuration(make.settings), rows, _smallest(rows, opts), best, at,
-        flat.peak_bytes if flat else None, saves,
+        flat.peak_bytes if flat else None, saves, modelled=scheme.modelled,
+        method=_method(scheme, make),
     )  # fmt: skip
     if best is None or best.world_size == 1:
         return plan
@@ -228,6 +293,19 @@ def _scheme_plan(scheme, rows, flat_rows, flat_best, make: _RowMaker, opts) -> S
     return dataclasses.replace(
         plan, no_reshard_peak_bytes=kept.peak_bytes, no_reshard_fits=kept.fits
     )
+
+
+def _method(scheme: Scheme, make: _RowMaker) -> str:
+    """How the scheme's rows were had, in words."""
+    if scheme in ENGINES:
+        how = make.engines.how(scheme, make.settings)
+        return f"{scheme.engine} run in the fake step, a fake process group: {how}"
+    if scheme.modelled:
+        return (
+            f"modelled, not run ({scheme.why_modelled}): what it holds from the memory "
+            "model's parts, the flat step's activations and temporaries"
+        )
+    return "the plan's own fake steps of the flat engine (every rank's shards alike)"
 
 
 def _scheme_memory(loaded, opts: PlanOptions):

@@ -128,13 +128,16 @@ def removing_grad_hooks():
 
 
 @contextlib.contextmanager
-def tracking_layers(tracker, layers: dict):
+def tracking_layers(tracker, layers: dict, first: bool = False):
     """Tell ``tracker`` when each layer of a stack (``{index: (name, module)}``) runs:
     its forward by module hooks; its backward from when its output's gradient is
     ready to when its input's is, by hooks on those two tensors. Unlike
     ``ModTracker`` these hold no tensor and no graph node, so the step keeps what a
     step without them keeps (a reentrant checkpoint's outputs outlive the step
-    under ``ModTracker``)."""
+    under ``ModTracker``). ``first``: the forward's end is told before the layer's
+    other hooks run, so its backward begins before theirs (an engine's hook on the
+    same output, FSDP2's gather of the layer below, runs inside the layer's
+    backward)."""
     handles = []
 
     def first_grad_tensor(values):
@@ -166,7 +169,7 @@ def tracking_layers(tracker, layers: dict):
 
     for name, layer in layers.values():
         handles.append(layer.register_forward_pre_hook(pre(name), with_kwargs=True, prepend=True))
-        handles.append(layer.register_forward_hook(post(name), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(name), with_kwargs=True, prepend=first))
     try:
         yield
     finally:

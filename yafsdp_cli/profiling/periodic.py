@@ -34,6 +34,7 @@ written; else the whole model is traced, and the report says why.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 from .layer_stack import Stack
@@ -164,6 +165,15 @@ class _Writer:
         self.lo, self.hi = f + p, f + 2 * p  # period B, the one repeated
         self.owners = self.src.owners
         self.ctx, self.kinds = contexts(self.src, stack, stack.traced)
+        if step.ranks is not None:
+            # an FSDP2 unit's buffers are ranked among its buffers: the last layer's
+            # all-gather is made before the backward reaches any layer, the others'
+            # inside the layer above, so it must not shift the ranks of the rest
+            rules = step.ranks.rules
+            self.kinds = [
+                (*k, *((rules[b].kind, rules[b].made_by) if b in rules else ()))
+                for b, k in enumerate(self.kinds)
+            ]
         # (layer, kind) -> its blocks in order; a block is known by its rank there
         self.by_owner: dict[tuple, list[int]] = {}
         self.rank: list[int] = []
@@ -179,6 +189,7 @@ class _Writer:
         self.stream: list = []
         self.new_owners: list = []
         self.tags: dict[int, tuple[int, bool, int]] = {}
+        self.rules: dict = {}  # block -> its ``rank_sizes.SizeRule``, where it has one
         self.buffers: dict[tuple, int] = {}
         self.ends: list[tuple[int, int]] = []
         self._buffer_setup()
@@ -257,6 +268,9 @@ class _Writer:
         if shards is not None and src in shards.tags:
             buffer, whole, itemsize = shards.tags[src]
             self.tags[i] = (self._buffer(buffer, moved), whole, itemsize)
+        ranks = self.step.ranks
+        if ranks is not None and src in ranks.rules:
+            self.rules[i] = ranks.rules[src]  # shapes: the same in each copy of a layer
         return i
 
     def _buffer(self, buffer: int, moved: int) -> int:
@@ -333,7 +347,10 @@ class _Writer:
         shards = self.step.shards
         if shards is not None:
             shards = dataclasses.replace(shards, ends=tuple(self.ends), tags=dict(self.tags))
-        return RecordedStep(events, shards)
+        ranks = self.step.ranks
+        if ranks is not None:
+            ranks = dataclasses.replace(ranks, rules=dict(self.rules))
+        return RecordedStep(events, shards, ranks)
 
 
 def repeat(step: RecordedStep, stack: Stack, depth: int, ops_per_period: int = 0) -> RecordedStep:
@@ -354,7 +371,8 @@ def repeat(step: RecordedStep, stack: Stack, depth: int, ops_per_period: int = 0
 def canonical(step: RecordedStep) -> tuple:
     """What two traces of one step share: the events with the blocks numbered in the
     order they are first sized, each block's attributes, and each sharded block's
-    size rule (its buffer's end and dtype, whole or shard)."""
+    size rule (its buffer's end and dtype, whole or shard; an FSDP2 block's
+    ``rank_sizes.SizeRule``)."""
     ev = step.events
     order: dict[int, int] = {}
     out = []
@@ -379,7 +397,22 @@ def canonical(step: RecordedStep) -> tuple:
             )
         )
         tags = (tags, shards.clean, shards.world_size, shards.align, shards.round_bytes)
+    ranks = step.ranks
+    if ranks is not None:
+        rules = sorted((order[b], rule) for b, rule in ranks.rules.items() if b in order)
+        tags = (tags, tuple(rules), ranks.clean, ranks.world_size, ranks.rank)
     return tuple(out), blocks, tags
+
+
+def structure(step: RecordedStep) -> str:
+    """A digest of what two steps of one model share when only their sizes differ (a
+    micro-batch from another): ``canonical``'s events with each size change as its
+    sign, each block's attributes, each named block's size rule. The same in every
+    process (``hash`` of a string is not)."""
+    events, blocks, tags = canonical(step)
+    signs = tuple((e[0], e[1], e[2] > 0) if e[0] == SIZE else e for e in events)
+    text = repr((signs, blocks, tags if step.ranks is not None else ()))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def first_difference(a: RecordedStep, b: RecordedStep) -> str:

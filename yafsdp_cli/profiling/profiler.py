@@ -45,7 +45,7 @@ from .kernels import CudaAttention
 from .layer_stack import cut, find_stack
 from .micro_batches import MicroTrace
 from .modules import module_names, peak_shares, tracking_layers, tracking_modules
-from .periodic import PeriodicTrace, matches, repeat
+from .periodic import NotPeriodicError, PeriodicTrace, matches, repeat
 from .positions import index_errors
 from .precision import Masters, cast_params
 from .profile_options import ProfileOptions
@@ -107,7 +107,7 @@ def profile_converted(
     loaded = adapt(loaded, opts.step)
     fake_mode = make_fake_mode() if opts.fake else None
     with fake_errors(opts.fake):
-        got = _steps(loaded, opts, fake_mode, ("converted",), lambda *_: None)
+        got = steps_at_depth(loaded, opts, fake_mode, ("converted",), lambda *_: None)
     if steps is not None:
         steps["converted"] = got.steps["converted"]
         steps["trace"] = got.how
@@ -204,18 +204,26 @@ def _run(loaded, opts, fake_mode, variants, progress, stack=None, depth=None) ->
     return _Run(traced, layout, ckpt_note, batch, kernels, module)
 
 
-def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Steps:
-    """The steps of ``variants`` at the model's depth: under ``--fake``, a short model
-    traced, checked against one a period deeper and repeated (``periodic``), where it
-    has a stack of layers deep enough to gain; else, or where the check fails, the
-    whole model traced."""
+def steps_at_depth(
+    loaded, opts: ProfileOptions, fake_mode, variants, progress, run=None, checked: bool = True
+):
+    """The steps of ``variants`` at the model's depth (a ``_Steps``): under ``--fake``,
+    a short model traced, checked against one a period deeper and repeated
+    (``periodic``), where it has a stack of layers deep enough to gain; else, or
+    where the check fails, the whole model traced. ``run`` builds and traces the
+    model at a depth (``_run``'s arguments; ``_run`` where None: the original and
+    the converted model; ``engine_step`` traces an engine's). ``checked`` False: the
+    short model repeated unchecked (its caller checks it against another step's)."""
+    run = run or _run
     every = layer_period(opts.step.checkpointing)
     stack = find_stack(loaded.module, every) if opts.fake and loaded.module is not None else None
     why = _whole_why(stack, opts)
     if why is None:
         try:
-            short = _run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
-            check = _run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
+            short = run(loaded, opts, fake_mode, variants, progress, stack, stack.traced)
+            check = None
+            if checked:
+                check = run(loaded, opts, fake_mode, variants, progress, stack, stack.checked)
         except YafsdpError:
             raise
         except Exception as exc:  # noqa: BLE001 - a cut model's forward may refuse; trace whole
@@ -225,11 +233,11 @@ def _steps(loaded, opts: ProfileOptions, fake_mode, variants, progress) -> _Step
             if isinstance(done, _Steps):
                 return done
             why = done
-    run = _run(loaded, opts, fake_mode, variants, progress)
-    steps = {v: t.step for v, t in run.traced.items()}
+    whole = run(loaded, opts, fake_mode, variants, progress)
+    steps = {v: t.step for v, t in whole.traced.items()}
     depth = (stack.depth,) if stack is not None else ()
-    wall = {v: t.wall for v, t in run.traced.items()}
-    return _Steps(steps, PeriodicTrace(False, why, depth), run, wall, run.kernels, run.layout)
+    wall = {v: t.wall for v, t in whole.traced.items()}
+    return _Steps(steps, PeriodicTrace(False, why, depth), whole, wall, whole.kernels, whole.layout)
 
 
 def _whole_why(stack, opts: ProfileOptions) -> str | None:
@@ -248,9 +256,11 @@ def _whole_why(stack, opts: ProfileOptions) -> str | None:
     return None
 
 
-def _repeated(short: _Run, check: _Run, stack, variants, loaded, opts) -> _Steps | str:
-    """The steps at the model's depth from ``short`` where ``check`` confirms them;
-    else why not."""
+def _repeated(short: _Run, check: _Run | None, stack, variants, loaded, opts) -> _Steps | str:
+    """The steps at the model's depth from ``short`` where ``check`` confirms them
+    (None: unchecked); else why not."""
+    if check is None:
+        return _unchecked(short, stack, variants)
     steps, wall = {}, {}
     for v in variants:
         a, b = short.traced[v].step, check.traced[v].step
@@ -279,6 +289,25 @@ def _repeated(short: _Run, check: _Run, stack, variants, loaded, opts) -> _Steps
     return _Steps(steps, how, short, wall, kernels, layout)
 
 
+def _unchecked(short: _Run, stack, variants) -> _Steps | str:
+    """The steps at the model's depth from ``short``, repeated without a check."""
+    steps, wall = {}, {}
+    for v in variants:
+        try:
+            steps[v] = repeat(short.traced[v].step, stack, stack.depth)
+        except NotPeriodicError as exc:
+            return f"{v} step of {stack.traced} layers is not periodic: {exc}"
+        wall[v] = short.traced[v].wall
+    how = PeriodicTrace(
+        True,
+        f"{stack.describe()}: traced {stack.traced} layers; the {stack.depth}-layer step is "
+        "that one with a period repeated, unchecked here: its events are those of a step "
+        "that was checked, sizes aside",
+        (stack.traced,),
+    )
+    return _Steps(steps, how, short, wall, short.kernels, short.layout)
+
+
 def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
     """Index -> (name, layer) of the stack's layers in ``module``."""
     layers = module.get_submodule(stack.path)
@@ -288,7 +317,7 @@ def _layers(module: nn.Module, stack) -> dict[int, tuple[str, nn.Module]]:
 def _profile(loaded, opts: ProfileOptions, fake_mode, progress, traces) -> ProfileReport:
     holding = gpu_holding(opts)
     loss = resolve_loss(loaded.module, opts.step.loss)  # a wrong --loss fails before the steps
-    got = _steps(loaded, opts, fake_mode, ("original", "converted"), progress)
+    got = steps_at_depth(loaded, opts, fake_mode, ("original", "converted"), progress)
     progress("done", len(STAGES), len(STAGES))
     original = _step_profile("original", got, loaded, opts, traces, holding)
     converted = _step_profile("converted", got, loaded, opts, traces, holding)

@@ -44,6 +44,7 @@ import torch
 
 from ..engine import dtypes
 from ..engine.layout import AlignSpec, round_up
+from .rank_sizes import RankSizes
 from .timeline import SIZE, StepEvents
 
 ITEMSIZES = (1, 2, 4, 8)  # the bytes per element a missed allocation could have
@@ -76,10 +77,13 @@ class ShardSizes:
 
 @dataclass(frozen=True, slots=True)
 class RecordedStep:
-    """A tracked step's events; ``shards``: where it ran sharded, its tagged blocks."""
+    """A tracked step's events; ``shards``: where it ran sharded, its tagged blocks;
+    ``ranks``: where an FSDP2 rank ran it, its blocks sized by the world size and rank
+    (``rank_sizes.RankSizes``)."""
 
     events: StepEvents
     shards: ShardSizes | None
+    ranks: RankSizes | None = None
 
     @property
     def rewritable(self) -> bool:

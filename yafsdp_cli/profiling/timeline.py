@@ -146,12 +146,13 @@ class StepEvents:
             {p: max(where[p], 1) for p in peaks if p in PHASES},
         )
 
-    def alloc_trace(self) -> AllocTrace:
+    def alloc_trace(self, blocks: list[int] | None = None) -> AllocTrace:
         """The step's allocations and frees as the caching allocator sees them, in
         order: a block's first bytes allocate it, its last free it, and a resize in
         between (``resize_``) allocates the new size before it frees the old, as the
         copy it makes needs both. ``step_start``: the events before the forward (the
-        parameters, optimizer state and batch, registered as they are assigned)."""
+        parameters, optimizer state and batch, registered as they are assigned).
+        ``blocks``, if given, gets each trace event's block, in order."""
         events: list[TraceEvent] = []
         size: dict[int, int] = {}
         trace_id: dict[int, int] = {}  # block -> its current allocation's id
@@ -167,6 +168,8 @@ class StepEvents:
                 events.append(TraceEvent(len(events), new, self.stream[i]))
             if old > 0:
                 events.append(TraceEvent(trace_id.pop(i), 0, self.stream[i]))
+            if blocks is not None:
+                blocks += [i] * ((new > 0) + (old > 0))
             if new > 0:
                 trace_id[i] = events[-1 if old == 0 else -2].block
         return AllocTrace(tuple(events), len(events) if step_start is None else step_start)

@@ -178,14 +178,14 @@ class StorageTracker(TorchDispatchMode):
         unseen ones are registered as alive now."""
         for t in tree_flatten(tensors)[0]:
             if isinstance(t, torch.Tensor):
-                i = self._see(t.untyped_storage())
+                i = self._see(self._storage(t))
                 if self._owner[i] is None:
                     self._owner[i] = layer
                 elif self._owner[i] != layer:
                     self.owner_clash = True
 
     def owner_of(self, t: torch.Tensor) -> int | None:
-        i = self._index.get(t.untyped_storage())
+        i = self._index.get(self._storage(t))
         return None if i is None else self._owner[i]
 
     def assign(self, tensors, role: str) -> None:
@@ -193,7 +193,7 @@ class StorageTracker(TorchDispatchMode):
         registered as alive now. The first role a block gets is kept."""
         for t in tree_flatten(tensors)[0]:
             if isinstance(t, torch.Tensor):
-                i = self._see(t.untyped_storage())
+                i = self._see(self._storage(t))
                 if self._role[i] is None:
                     self._role[i] = role
 
@@ -217,13 +217,19 @@ class StorageTracker(TorchDispatchMode):
 
     def block(self, t: torch.Tensor) -> int:
         """The block of ``t``'s storage (registered as alive now if unseen)."""
-        return self._see(t.untyped_storage())
+        return self._see(self._storage(t))
 
     def block_of(self, t: torch.Tensor) -> int | None:
-        return self._index.get(t.untyped_storage())
+        return self._index.get(self._storage(t))
 
     def is_new(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage() not in self._index
+        return self._storage(t) not in self._index
+
+    @staticmethod
+    def _storage(t: torch.Tensor):
+        """The storage that holds ``t``'s bytes (an engine's tracker looks through a
+        wrapper tensor to its local one: ``engine_step``)."""
+        return t.untyped_storage()
 
     @staticmethod
     def _stream_of(st) -> int:
@@ -244,6 +250,11 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.record(args, kwargs, out)
+        return out
+
+    def record(self, args, kwargs, out) -> None:
+        """One op's outputs: their storages, layers and shard tags."""
         self.ops += 1
         outs = op_tensors(out if isinstance(out, (list, tuple)) else (out,))
         owners = None
@@ -256,10 +267,9 @@ class StorageTracker(TorchDispatchMode):
         if self.tags is not None and self.tags.inheriting:
             self.tags.inherit(args, kwargs, outs)  # registers the outputs it tags
         for k, t in enumerate(outs):
-            i = self._see(t.untyped_storage())
+            i = self._see(self._storage(t))
             if owners is not None and owners[k] is not None and self._owner[i] is None:
                 self._owner[i] = owners[k]
-        return out
 
     def _between_layers(self) -> bool:
         """Whether a block made outside every layer now may take its inputs' layer:
@@ -290,7 +300,7 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(a, (list, tuple)) and len(a) == n and isinstance(a[k], torch.Tensor):
                 a = a[k]
             if isinstance(a, torch.Tensor):
-                i = self._index.get(a.untyped_storage())
+                i = self._index.get(self._storage(a))
                 if i is not None and self._owner[i] is not None:
                     return self._owner[i]
         return None
@@ -318,7 +328,7 @@ class StorageTracker(TorchDispatchMode):
 
     def category_of(self, t: torch.Tensor) -> str | None:
         """The category of ``t``'s storage, or None if the tracker never saw it."""
-        i = self._index.get(t.untyped_storage())
+        i = self._index.get(self._storage(t))
         return None if i is None else self.recorded().category(i)
 
     def recorded(self) -> StepEvents:

@@ -354,7 +354,8 @@ def to_rich(report: PlanReport, *, explain: bool = False) -> list:
 
         tables.append(section_table(timed))
     notes = _notes(report, explain)
-    return [*tables, *scheme_view.to_rich(report), *(Text(f"  {n}") for n in notes)]
+    schemes = scheme_view.to_rich(report, explain=explain)
+    return [*tables, *schemes, *(Text(f"  {n}") for n in notes)]
 
 
 def _style(cell: str) -> str:

@@ -32,6 +32,7 @@ def side_by_side(report: PlanReport) -> Section:
     rows.append(("peak at best", *(_peak(s.best) for s in schemes)))
     rows.append(("needed at best", *(_needed(s.best) for s in schemes)))
     rows.append(("flat saves at the peak", *(_saves(s) for s in schemes)))
+    rows.append(("rows", *(_measured(s) for s in schemes)))
     return Section(
         title="Schemes side by side: peak per rank of one training step",
         headers=("", *(s.scheme.name for s in schemes)),
@@ -42,8 +43,35 @@ def side_by_side(report: PlanReport) -> Section:
 
 
 def settings_lines(report: PlanReport) -> list[str]:
-    """What each scheme's rows assume, one line each."""
-    return [f"{s.scheme.name}: {_settings(s)}" for s in report.schemes]
+    """What each scheme's rows assume and how they were had, one line each."""
+    return [f"{s.scheme.name}: {_settings(s)}; {s.method}" for s in report.schemes]
+
+
+def spread_lines(report: PlanReport) -> list[str]:
+    """Each cell whose ranks peak apart, one line: every rank group's peak and the
+    spread between the fullest and the emptiest (the row shows the fullest)."""
+    lines = []
+    for s in report.schemes:
+        for r in s.rows:
+            if not r.rank_spread_bytes:
+                continue
+            groups = ", ".join(f"{_ranks(g)} {human_bytes(g.peak_bytes)}" for g in r.ranks)
+            lines.append(
+                f"{s.scheme.name}, world size {r.world_size}, micro-batch {r.micro_batch}, "
+                f"{r.checkpointing}: ranks peak apart by {human_bytes(r.rank_spread_bytes)}: "
+                f"{groups}"
+            )
+    return lines
+
+
+def _ranks(g) -> str:
+    return f"rank {g.first}" if g.first == g.last else f"ranks {g.first}-{g.last}"
+
+
+def _measured(s) -> str:
+    if s.modelled:
+        return "modelled"
+    return "flat steps" if s.scheme is FLAT else "engine run"
 
 
 def _smallest(s, several: bool) -> str:
@@ -95,12 +123,17 @@ def _saves(s) -> str:
 
 def _caption(report: PlanReport) -> str:
     return (
-        "peak = the scheme's persistent bytes per rank + its gathered parameters and "
-        "gradient buffers + the step's activations and temporaries (fake runs); flat saves: "
+        "peak per rank of the fullest rank (the one that needs the most): rows 'engine run' "
+        "are the engine's own fake step (FakeTensorMode, a fake process group, every rank; "
+        "--explain: where ranks differ), 'flat steps' the plan's own cells; rows "
+        "'modelled' are not run: the scheme's persistent bytes per rank + its gathered "
+        "parameters and gradient buffers + the flat step's activations and temporaries; "
+        "flat saves: "
         "the scheme's peak minus the flat scheme's at the scheme's best configuration "
         "(the flat scheme's best where nothing of the scheme fits; negative: the flat "
         "scheme needs more); needed: the peak + the caching allocator's fragmentation (the "
-        "flat step's replay at that cell) + what a rank holds beside the allocator; fits: "
+        "step's own replay; a modelled row takes the flat step's at that cell) + what a "
+        "rank holds beside the allocator; fits: "
         f"needed <= {human_bytes(report.gpu_memory_bytes)}, the best keeping "
         f"{human_bytes(report.margin_bytes)} free; best configuration: the most tokens per "
         "rank that fits so, then no checkpointing, then the fewest GPUs" + _ranked_apart(report)
@@ -119,7 +152,7 @@ def to_markdown(report: PlanReport) -> list[str]:
     if not report.schemes:
         return []
     s = side_by_side(report)
-    settings = [f"- {line}" for line in settings_lines(report)]
+    settings = [f"- {line}" for line in (*settings_lines(report), *spread_lines(report))]
     return [
         f"**{s.title}**",
         "",
@@ -132,7 +165,9 @@ def to_markdown(report: PlanReport) -> list[str]:
     ]
 
 
-def to_rich(report: PlanReport) -> list:
+def to_rich(report: PlanReport, explain: bool = False) -> list:
+    """The table and each scheme's settings; with ``explain``, every cell whose ranks
+    differ (else a pointer to them)."""
     if not report.schemes:
         return []
     from rich.text import Text
@@ -140,7 +175,13 @@ def to_rich(report: PlanReport) -> list:
     from .formatting import section_table
 
     table = section_table(side_by_side(report), fold_names=False)
-    return [table, *(Text(f"  {line}") for line in settings_lines(report))]
+    lines = settings_lines(report)
+    spread = spread_lines(report)
+    if explain:
+        lines += spread
+    elif spread:
+        lines.append(f"ranks differ in {len(spread)} cells: --explain")
+    return [table, *(Text(f"  {line}") for line in lines)]
 
 
 def to_html(report: PlanReport) -> str:
@@ -148,5 +189,5 @@ def to_html(report: PlanReport) -> str:
         return ""
     from .html_base import notes_html, section_html
 
-    settings = notes_html("scheme settings", settings_lines(report))
+    settings = notes_html("scheme settings", [*settings_lines(report), *spread_lines(report)])
     return section_html(side_by_side(report)) + settings

@@ -61,6 +61,16 @@ class Scheme:
     # JSON contract of ``yafsdp.plan/1`` (``schemas/plan.schema.json``): a timed
     # row's ``scheme``, and the name ``timing.comm_volume`` takes; None: not timed
     timing_key: str | None = None
+    # what ``plan --scheme`` runs in the fake step for the scheme's rows, in words (the
+    # plan's own flat steps, or the engine itself under a fake process group: see
+    # ``planning.engine_rows``); None: the rows are modelled from the memory model's
+    # parts (``phase_peak``), not run
+    engine: str | None = None
+    why_modelled: str = ""  # where ``engine`` is None: why the engine is not run
+
+    @property
+    def modelled(self) -> bool:
+        return self.engine is None
 
     @property
     def whole_params(self) -> bool:

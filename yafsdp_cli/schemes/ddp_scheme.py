@@ -49,4 +49,5 @@ DDP = Ddp(
     ),
     inspect_key="ddp",
     timing_key="ddp",
+    engine="torch.nn.parallel.DistributedDataParallel",
 )

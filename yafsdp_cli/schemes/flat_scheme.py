@@ -34,4 +34,5 @@ FLAT = Flat(
     collectives=Collectives(gathers_params=True, reduces="reduce_scatter", sized_by="buffers"),
     inspect_key="yafsdp",
     timing_key="yafsdp",
+    engine="yafsdp's flat engine (the plan's own steps)",
 )

@@ -65,4 +65,5 @@ FSDP2 = Fsdp2(
     collectives=Collectives(gathers_params=True, reduces="reduce_scatter", sized_by="placement"),
     inspect_key="fsdp",
     timing_key="fsdp2",
+    engine="torch.distributed.fsdp.fully_shard",
 )
