@@ -314,4 +314,9 @@ def _accepts(module: nn.Module, name: str) -> bool:
 def loss_for(module: nn.Module, step) -> StepLoss:
     """The loss of a step of ``module`` as the step options ``step`` say (their
     ``loss`` and ``seed``)."""
-    return StepLoss(module, resolve_loss(module, step.loss), step.seed)
+    inner = module
+    while not callable(getattr(inner, "get_output_embeddings", None)) and isinstance(
+        getattr(inner, "module", None), nn.Module
+    ):
+        inner = inner.module  # a wrapper's (DistributedDataParallel's) model
+    return StepLoss(inner, resolve_loss(inner, step.loss), step.seed)

@@ -40,6 +40,7 @@ from ..engine.train_step import make_optimizer, optimizer_tensors
 from ..errors import YafsdpError
 from ..sources.adapted import adapt
 from .fake import entered, fake_errors, make_fake_mode
+from .micro_batches import MicroTrace
 from .modules import module_names, tracking_layers, tracking_modules
 from .positions import index_errors
 from .precision import Masters
@@ -281,10 +282,21 @@ def _trace(wrapped, module: nn.Module, batch, opts: ProfileOptions, layers) -> _
     layers_told = tracking_layers(tracker, layers or {}, first=True)
     with tracker, tracking_modules(tracker, names), layers_told:
         with wrapped.tracking(tracker):
-            _tracked_step(tracker, wrapped.forward, params, batch, opt, opts, None, masters)
+            _tracked_step(
+                tracker,
+                wrapped.forward,
+                params,
+                batch,
+                opt,
+                opts,
+                None,
+                masters,
+                opts.step.grad_accum,
+            )
         tracker.assign(optimizer_tensors(opt), "optimizer")
     wall = time.perf_counter() - start
     step = RecordedStep(tracker.recorded(), None, wrapped.sizes(tracker))
     if tracker.owner_clash:
         step = dataclasses.replace(step, events=dataclasses.replace(step.events, owners=None))
-    return _Traced(step, wall, None)
+    count = opts.step.grad_accum  # every micro-batch traced, gradient sync on in each
+    return _Traced(step, wall, None, MicroTrace(count, count, False, ""))
