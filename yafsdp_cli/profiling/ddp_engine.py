@@ -48,8 +48,8 @@ class DdpEngine:
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: int | None = None  # DDP's default: 25 MiB, the first bucket 1 MiB
 
-    def cast(self, module: nn.Module, opts) -> None:
-        cast_params(module, opts.step.param_dtype)
+    def cast(self, module: nn.Module, opts, keep_frozen: bool) -> None:
+        cast_params(module, opts.step.param_dtype, keep_frozen=keep_frozen)
 
     def wrap(self, module: nn.Module, layout, opts, modes) -> _Replicated:
         return _Replicated(module, self, modes)

@@ -32,13 +32,14 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..engine.idioms import apply_checkpointing
 from ..engine.module_spec import spec_from_module
 from ..engine.plan import plan
 from ..engine.train_step import make_optimizer, optimizer_tensors
 from ..errors import YafsdpError
-from ..sources.adapted import adapt
+from ..sources.adapted import adapt, keeps_stored_base
 from .fake import entered, fake_errors, make_fake_mode
 from .micro_batches import MicroTrace
 from .modules import module_names, tracking_layers, tracking_modules
@@ -61,7 +62,7 @@ from .profiler import (
     warm_up,
 )
 from .shard_sizes import RecordedStep
-from .tracker import StorageTracker
+from .tracker import StorageTracker, op_tensors
 
 VARIANT = "engine"  # the one variant an engine's run traces
 
@@ -90,10 +91,10 @@ class Unwrapped:
     float32 masters, as the profiler's original step), the step a training stack runs
     on a single rank (torchtitan applies FSDP and DDP only to more than one)."""
 
-    def cast(self, module: nn.Module, opts) -> None:
+    def cast(self, module: nn.Module, opts, keep_frozen: bool) -> None:
         from .precision import cast_params
 
-        cast_params(module, opts.step.param_dtype)
+        cast_params(module, opts.step.param_dtype, keep_frozen=keep_frozen)
 
     def wrap(self, module: nn.Module, layout, opts, modes) -> _Alone:
         return _Alone(module)
@@ -119,8 +120,6 @@ class _Alone:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -174,8 +173,6 @@ class EngineTracker(StorageTracker):
 
 
 def _tensors(out) -> list[torch.Tensor]:
-    from .tracker import op_tensors
-
     return op_tensors(out if isinstance(out, (list, tuple)) else (out,))
 
 
@@ -247,7 +244,7 @@ def _run(loaded, opts: ProfileOptions, fake_mode, engine, rank, stack, depth):
     model."""
     with entered(fake_mode):
         module = build_module(loaded, opts, fake_mode, stack, depth)
-    engine.cast(module, opts)
+    engine.cast(module, opts, keeps_stored_base(loaded))  # a LoRA base keeps its dtype
     module.train()
     layout = plan(spec_from_module(module), opts.layout)
     ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.units)

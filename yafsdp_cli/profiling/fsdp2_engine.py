@@ -6,8 +6,9 @@ blocks) gets ``fully_shard``, then the root, each with ``reshard_after_forward``
 the scheme's settings say and ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``
 where the parameters train in a 16-bit dtype: the sharded parameters are then
 float32 (they are the master weights; the optimizer steps on them), frozen ones and
-buffers in the training dtype; the gradients reduce in ``--grad-dtype`` (the
-parameters' dtype where not given). Every parameter is cut on dim 0 (FSDP2's
+buffers in the training dtype (a LoRA base in its stored one, as the flat step keeps
+it); the gradients reduce in ``--grad-dtype`` (the parameters' dtype where not
+given). Every parameter is cut on dim 0 (FSDP2's
 default placement).
 
 Which blocks are what (``rank_sizes``' note), read from torch 2.13's
@@ -52,10 +53,11 @@ class Fsdp2Engine:
 
     reshard_after_forward: bool = True
 
-    def cast(self, module: nn.Module, opts) -> None:
+    def cast(self, module: nn.Module, opts, keep_frozen: bool) -> None:
         """Trainable parameters float32 where 16-bit ones keep float32 masters (FSDP2's
-        sharded parameters are then the masters), the rest in the training dtype."""
-        cast_params(module, opts.step.param_dtype)
+        sharded parameters are then the masters), the rest in the training dtype (a
+        LoRA base, ``keep_frozen``, in its stored one)."""
+        cast_params(module, opts.step.param_dtype, keep_frozen=keep_frozen)
         if _masters(opts):
             for p in module.parameters():
                 if p.requires_grad and p.is_floating_point():

@@ -17,6 +17,10 @@ them through the buckets (``Collectives.reduce_every_micro_batch`` False).
 Collectives: one all-reduce per unit's gradients, in the gradient dtype, in
 backward (DDP's buckets are about a unit's size in a large model; their count only
 moves the latency term); unconverted parameters' gradients join the root's.
+
+``plan --scheme`` runs DDP itself in the fake step (``planning.engine_rows``); the
+model here is what ``inspect`` reports, and the holdings its rows break their peaks
+into.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Collectives: one all-gather per unit of its parameters padded to ``torch.chunk``
 largest chunk times the world size, in the training dtype, in forward and again in
 backward for every unit but the root; one reduce-scatter per unit in the gradient
 dtype.
+
+``plan --scheme`` runs FSDP2 itself in the fake step (``planning.engine_rows``); the
+model here is what ``inspect`` reports, and the holdings its rows break their peaks
+into.
 """
 
 from __future__ import annotations
