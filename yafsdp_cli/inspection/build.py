@@ -37,6 +37,7 @@ from ..memory.fsdp2 import RankGroup, UnevenSplit
 from ..options.training_dtype import training_dtype
 from ..schemes import FSDP2, Scheme
 from ..sources.adapted import adapt, keeps_stored_base
+from .headline import Headline, headline
 from .inspect_options import InspectOptions
 from .stored import StoredState, resolve_optimizer, stored_notes, stored_state
 
@@ -185,6 +186,7 @@ class InspectReport:
     layout: Layout  # the planned layout itself, for library users
     memory_report: MemoryReport
     stored_state: StoredState | None = None  # a training checkpoint's own optimizer state
+    headline: Headline | None = None  # the flat layout beside the best other scheme
 
 
 def inspect_model(
@@ -246,6 +248,7 @@ def inspect_model(
         layout=layout,
         memory_report=memory,
         stored_state=stored,
+        headline=headline(spec, lay, cfg, opts.memory.fsdp_placement, layout, memory),
     )
 
 

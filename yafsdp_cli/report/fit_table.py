@@ -257,9 +257,9 @@ class FitTable:
         self.key = [k for k in key if k < len(self.columns)]
         self.show_header = show_header
         self.simple = simple  # no vertical rules (the plan's grid)
-        self.lows = [c.low for c in self.columns]
+        self.lows = [c.low for c in self.columns]  # each column's shortest form
+        self.highs = [c.high for c in self.columns]  # and its widest
         self._drawn: dict[int, int] = {}  # the rules and padding of a part of n columns
-        self.highs = [c.high for c in self.columns]
 
     def _fit(self, console: Console, options: ConsoleOptions, indices) -> list[int] | None:
         cols = [self.columns[i] for i in indices]

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from ..engine import dtypes
 from ..inspection.build import SCHEMA, BufferInfo, InspectReport, shard_rows
+from ..inspection.headline import Headline
+from ..memory.estimate import GATHER_BUFFERS, REDUCE_BUFFERS
 from ..schemes import DDP, FLAT, ZERO2, ZERO3, Scheme
 from .formatting import (
     Section,
@@ -64,9 +66,20 @@ def to_json(report: InspectReport) -> str:
             "memory": _memory_json(report),
             "notes": report.notes,
             "assumptions": report.assumptions,
+            "headline": _headline_json(report),
             "checkpoint_state": report.stored_state,
         },
     )
+
+
+def _headline_json(report: InspectReport) -> dict:
+    """The ``headline`` key, its schemes spelt as ``memory`` spells them."""
+    h = report.headline
+    out = plain(h)
+    for row, m in zip(out["schemes"], h.schemes):
+        row["scheme"] = m.scheme.inspect_key
+    out["best"] = h.best.inspect_key
+    return out
 
 
 def _memory_json(report: InspectReport) -> dict:
@@ -263,26 +276,60 @@ def stored_section(report: InspectReport) -> Section:
 
 
 def answer(report: InspectReport) -> list[str]:
-    """The report's answer in at most five lines, before any table: each scheme's
-    memory per rank, the flat scheme's saving, and the dtype it rests on."""
-    m, p, inp = report.memory, report.params, report.inputs
-    by = {s.scheme: s for s in m.schemes}
-    flat, ddp = by[FLAT], by[DDP]
-    change = (
-        f"saves {flat.savings_percent:.1f}%"
-        if flat.savings_bytes >= 0
-        else f"needs {human_bytes(-flat.savings_bytes)} more"
-    )
-    others = [s for s in m.schemes if s.scheme not in (FLAT, DDP)]
-    named = ", ".join(f"{header(s.scheme)} {human_bytes(s.total)}" for s in others)
+    """The report's answer in at most five lines, before any table: the flat layout
+    beside the best other sharding scheme (``inspection.headline``) and, where it
+    needs more, why; every scheme at that world size, DDP's saving among them; the
+    dtype it rests on; the parameter count."""
+    h, p, inp = report.headline, report.params, report.inputs
+    flat, best = h.scheme(FLAT), h.scheme(h.best)
+    where = f"at world size {h.world_size}"
+    if not h.given:
+        where += f" (one {h.world_size}-GPU node; at world size 1 nothing is sharded)"
+    if h.flat_more:
+        less_more = "more" if h.flat_more > 0 else "less"
+        versus = f"{human_bytes(abs(h.flat_more))} {less_more} than"
+    else:
+        versus = "the same as"
+    ddp = h.scheme(DDP)
+    saved = ddp.total - flat.total
+    if saved >= 0:
+        change = f"flat saves {100.0 * saved / ddp.total if ddp.total else 0.0:.1f}%"
+    else:
+        change = f"flat needs {human_bytes(-saved)} more"
+    named = [f"DDP {human_bytes(ddp.total)} ({change})"]
+    rest = [m for m in h.schemes if m.scheme not in (FLAT, DDP)]
+    named += [f"{header(m.scheme)} {human_bytes(m.total)}" for m in rest]
     return [
-        f"per rank at world size {inp.world_size}: yafsdp flat {human_bytes(flat.total)}, "
-        f"DDP {human_bytes(ddp.total)} ({change})",
-        f"other schemes: {named}",
+        f"{where}: yafsdp flat {human_bytes(flat.total)} per rank, {versus} "
+        f"{header(h.best)} {human_bytes(best.total)}, the best other scheme",
+        why_more(h) if h.flat_more > 0 else "",
+        f"other schemes: {', '.join(named)}",
         f"{report.assumptions[0]}; optimizer {inp.optimizer}" if report.assumptions else "",
         f"{human_count(p.total_numel)} parameters, {p.converted_count} tensors in "
         f"{len(report.buffers)} flat buffers (* reference estimates)",
     ]
+
+
+def why_more(h: Headline) -> str:
+    """Where the flat layout needs more: its transient buffers, sized by its largest
+    unit; and, where that is the root unit for modules outside the blocks, the
+    ``--unit`` globs that give them units of their own."""
+    flat, best = h.scheme(FLAT), h.scheme(h.best)
+    unit = h.largest_unit or "the root unit"
+    text = (
+        f"why: flat keeps {GATHER_BUFFERS} all-gather and {REDUCE_BUFFERS} gradient buffers of "
+        f"its largest unit (the one computing and the next, so communication overlaps "
+        f"compute): {human_bytes(flat.gather + flat.reduce)} for {unit} "
+        f"({human_bytes(h.largest_unit_bytes)}), {header(h.best)} "
+        f"{human_bytes(best.gather + best.reduce)}"
+    )
+    if h.split_flat is not None:
+        globs = " ".join(f"--unit '{g}'" if "*" in g else f"--unit {g}" for g in h.split_units)
+        text += (
+            f"; {' and '.join(h.outside)} fill that unit, outside the repeated blocks: "
+            f"{globs} gives them units of their own (flat {human_bytes(h.split_flat)})"
+        )
+    return text
 
 
 def notes(report: InspectReport) -> list[str]:
