@@ -27,7 +27,6 @@ from ..memory.step_schemes import SchemeSettings
 from ..mesh import Mesh
 from ..profiling.positions import position_limit
 from ..schemes import FLAT
-from ..schemes import parse as parse_schemes
 from ..sources import load_source
 from ..sources.adapted import adapt, keeps_stored_base
 from .cell import Cell, grid
@@ -45,7 +44,7 @@ from .plan_report import (
 )
 from .pool import Origin, run_jobs
 from .reserved_fit import ReservedFit, advised, keeping_margin, top_phase
-from .scheme_peaks import compare_schemes
+from .scheme_peaks import compare_schemes, planned_schemes
 
 DEFAULT_SEQ_LEN = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "block_size")
@@ -88,7 +87,7 @@ def plan_model(
         jobs += timer.wanted(opts.micro_batches, opts.checkpointing)
     engines = EngineRunner(loaded, opts, seq_len, origin)
     settings = scheme_settings or SchemeSettings()
-    jobs += engines.wanted(parse_schemes(opts.schemes), cells, settings)
+    jobs += engines.wanted(planned_schemes(opts), cells, settings)
     found, processes = run_jobs(jobs, loaded=loaded, opts=opts, seq_len=seq_len, origin=origin)
     runner.take(found, processes)
     engines.take(found)

@@ -163,7 +163,7 @@ def compare_schemes(
     ran most of them; the rest run here); ``settings``: the schemes' knobs (their
     defaults where None)."""
     settings = settings or SchemeSettings()
-    chosen = parse(opts.schemes)
+    chosen = planned_schemes(opts)
     cells = grid(map(Mesh.data_parallel, sizes), opts.micro_batches, opts.checkpointing)
     if any(s.whole_params and s.modelled for s in chosen):
         runner.prefetch([_reference(c, True) for c in cells])
@@ -176,6 +176,28 @@ def compare_schemes(
     flat_best = _best(grids[FLAT], opts) if FLAT in grids else None
     return tuple(_scheme_plan(s, grid, grids.get(FLAT, ()), flat_best, rows, opts)
                  for s, grid in grids.items())  # fmt: skip
+
+
+ACCUM_MODELLED = (
+    "with --grad-accum above 1 the engines' rows are modelled: the engines run here "
+    "with gradient sync on in every micro-batch, not DDP's no_sync() nor FSDP2's sync "
+    "off that accumulating training uses"
+)
+
+
+def planned_schemes(opts: PlanOptions) -> tuple[Scheme, ...]:
+    """The schemes ``opts`` names as the plan runs them: with ``--grad-accum`` above 1,
+    an engine scheme's rows are modelled (``ACCUM_MODELLED``; the model is checked
+    against the real engines accumulating, tests/planning/test_plan_scheme_accum_truth.py)."""
+    chosen = parse(opts.schemes)
+    if opts.step.grad_accum == 1:
+        return chosen
+    return tuple(
+        s
+        if s is FLAT or s.modelled
+        else dataclasses.replace(s, engine=None, why_modelled=ACCUM_MODELLED)
+        for s in chosen
+    )
 
 
 def _reference(cell: Cell, whole_params: bool) -> Cell:
