@@ -54,7 +54,7 @@ CHECKPOINTING = ("none", "non-reentrant")
 PHI3_SEQ = 32
 ENGINE_JOBS = (
     *(
-        StepJob(scheme, model, ENGINE_BATCH, ENGINE_SEQ, resharded, "plan", ck)
+        StepJob(scheme, model, ENGINE_BATCH, ENGINE_SEQ, resharded, loss="plan", checkpointing=ck)
         for model in ENGINE_MODELS
         for ck in CHECKPOINTING
         for scheme, resharded in (("fsdp2", True), ("fsdp2", False), ("ddp", True))
