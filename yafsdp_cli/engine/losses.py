@@ -35,7 +35,6 @@ peak. So the step takes the loss people train with, and each choice runs its own
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from typing import Any
 
@@ -46,6 +45,7 @@ from torch import nn
 from ..errors import YafsdpError
 from .choices import Loss, parse_loss
 from .inputs import projection_loss
+from .train_step import accepts, output_tensor
 
 FUSED_CHUNKS = 64
 # config fields of models whose forward changes the head's output before returning it
@@ -56,7 +56,11 @@ def computes_loss(module: nn.Module) -> bool:
     """Whether ``module`` computes a token loss of its own from ``labels=``: a
     forward that takes them and an output embedding (a language-model head)."""
     head = _output_embeddings(module)
-    return head is not None and _accepts(module, "labels") and _label_source(module) is not None
+    return (
+        head is not None
+        and accepts(module, "labels", any_keyword=True)
+        and _label_source(module) is not None
+    )
 
 
 def resolve_loss(module: nn.Module | None, text: str | None) -> Loss:
@@ -163,8 +167,6 @@ class StepLoss:
 
     def __call__(self, out: Any) -> torch.Tensor:
         """The scalar the backward starts from."""
-        from .train_step import output_tensor
-
         kind = self.loss.kind
         if kind == "model":
             value = getattr(out, "loss", None)
@@ -301,14 +303,6 @@ def _label_source(module: nn.Module) -> str | None:
     if getattr(module, "main_input_name", None) == "input_ids":
         return "input_ids"
     return None
-
-
-def _accepts(module: nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def loss_for(module: nn.Module, step) -> StepLoss:

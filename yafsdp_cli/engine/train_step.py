@@ -106,7 +106,7 @@ def _hf_batch(module, main, config, step: BatchChoice, seed: int) -> Batch:
             f"{type(module).__name__} takes {main!r}, which yafsdp cannot make up; "
             "give --input-shape"
         )
-    if _accepts(module, "use_cache"):
+    if accepts(module, "use_cache"):
         kwargs["use_cache"] = False  # no key/value cache: it is not part of training
     return Batch((), kwargs)
 
@@ -119,11 +119,13 @@ def _dtype_of(module: nn.Module) -> torch.dtype:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _accepts(module: nn.Module, name: str) -> bool:
+def accepts(module: nn.Module, name: str, *, any_keyword: bool = False) -> bool:
+    """Whether ``module``'s forward takes ``name`` (``any_keyword``: or ``**kwargs``)."""
     try:
-        return name in inspect.signature(module.forward).parameters
+        params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
+    return name in params or any_keyword and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def output_tensor(out: Any) -> torch.Tensor:
