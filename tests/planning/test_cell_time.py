@@ -10,6 +10,7 @@ from importlib import resources
 
 import jsonschema
 import pytest
+import torch
 from helpers import options
 from typer.testing import CliRunner
 
@@ -20,7 +21,15 @@ from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.options import LayoutOptions
 from yafsdp_cli.planning import PlanOptions, PlanRow, plan_model
 from yafsdp_cli.planning.cell import Cell
-from yafsdp_cli.planning.cell_time import best_timed, count_cell, interpolate, ranked_rows
+from yafsdp_cli.planning.cell_time import (
+    CellTimer,
+    best_timed,
+    count_cell,
+    count_points,
+    interpolate,
+    ranked_rows,
+    timing_setup,
+)
 from yafsdp_cli.planning.plan_options import parse_count, parse_rate
 from yafsdp_cli.planning.plan_report import PlanBreakdown
 from yafsdp_cli.sources import load_source
@@ -79,7 +88,8 @@ def test_every_cell_is_the_timing_packages_estimate_of_it(llama):
     )
     report = plan_model(llama, opts)
     assert opts.memory.gpu_memory == gpu_spec("h100-sxm").memory_bytes  # --gpu sets it
-    assert report.timing.gpu == "H100-SXM" and report.timing.count_runs == 4
+    # every micro-batch of (1, 2, 4) is a count point, for each checkpointing choice
+    assert report.timing.gpu == "H100-SXM" and report.timing.count_runs == 3 * 2
     spec = retype_params(llama.spec, "bfloat16")
     for ws, mb, ck in [(4, 4, "non-reentrant"), (16, 1, "none"), (1, 2, "none")]:
         at = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
@@ -301,3 +311,35 @@ def test_rates_and_counts_parse():
     assert parse_count("300B", "--tokens") == 3 * 10**11
     assert parse_count("2e12", "--tokens") == 2 * 10**12
     assert parse_rate(None, "--network") is None and parse_count(None, "--tokens") is None
+
+
+def test_count_points_keep_a_batch_of_one_apart():
+    assert count_points([8, 1, 4, 2]) == [1, 2, 4]
+    assert count_points([2, 4, 8, 16]) == [2, 4]
+    assert count_points([1]) == [1] and count_points([4]) == [4]
+
+
+def test_a_loss_that_copies_its_labels_above_one_sequence_still_takes_the_line(tmp_path):
+    """transformers' causal loss copies its shifted labels at two sequences and not at
+    one: the counts at 1 and 2 differ, and the plan's first counts must still serve
+    every larger micro-batch, each equal to its own count (no count made later)."""
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("llama").save_pretrained(tmp_path)
+    loaded = load_source(tmp_path)
+    opts = options(PlanOptions, gpu="h100-sxm", seq_len=SEQ, loss="model")
+    one, two = (count_cell(loaded, opts, SEQ, Cell.at(1, mb, "none")) for mb in (1, 2))
+    assert interpolate(one, two, 1, 2, 4) is None  # the case this rule is for
+    timer = CellTimer(loaded, opts, SEQ, timing_setup(opts), None)
+    timer.count([1, 2, 4, 8], ["none"])
+    assert sorted(c.micro_batch for c in timer.counts) == [1, 2, 4]
+    eight = timer.costs(8, "none")
+    assert timer.runs == 3
+    direct = count_cell(loaded, opts, SEQ, Cell.at(1, 8, "none"))
+    gpu, layout = gpu_spec("h100-sxm"), plan(loaded.spec, LayoutOptions(world_size=1))
+    assert estimate_step(eight, layout, gpu).step_s == pytest.approx(
+        estimate_step(direct, layout, gpu).step_s, rel=1e-9
+    )
+    assert eight.phase("forward").matrix_flops == direct.phase("forward").matrix_flops

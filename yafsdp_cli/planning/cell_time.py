@@ -3,15 +3,20 @@
 A cell's kernels do not depend on its world size (each rank runs its own
 micro-batch; sharding moves bytes between ranks, ``timing.comm_volume``), only on its
 micro-batch and checkpointing choice. So the step is counted (``timing.count_step``,
-the same fake step ``profile --fake`` runs, every kernel's FLOPs and bytes) at the
-grid's two smallest micro-batches per checkpointing choice, and every other
-micro-batch's kernels come from those two, kernel by kernel: at a fixed sequence
-length a kernel's FLOPs and bytes are ``a + b * micro_batch`` (a product reads its
-weight once and its activations per sequence; an optimizer kernel does not depend on
-the batch at all), so two counts give both terms exactly, and the roofline then
-times each kernel as it would a direct count (``tests/planning/test_cell_time.py`` checks the
-line against the cell's own count). Where the two counts do not run the same kernels
-in the same order, every micro-batch is counted instead.
+the same fake step ``profile --fake`` runs, every kernel's FLOPs and bytes) at a few
+of the grid's micro-batches per checkpointing choice, and every other micro-batch's
+kernels come from two of those, kernel by kernel: at a fixed sequence length a
+kernel's FLOPs and bytes are ``a + b * micro_batch`` (a product reads its weight once
+and its activations per sequence; an optimizer kernel does not depend on the batch
+at all), so two counts give both terms exactly, and the roofline then times each
+kernel as it would a direct count (``tests/planning/test_cell_time.py`` checks the
+line against the cell's own count). A batch of one is a point of its own: a slice
+across a batch of one is still contiguous, so a model's loss may copy its labels at
+two sequences and not at one (transformers' shifted labels do), and the counts at 1
+and 2 then run different kernels. So the counts are the grid's smallest micro-batch
+and its two smallest above 1, all in the plan's first pool, and a micro-batch above
+them takes the line through the two counted below it. Where those two do not run the
+same kernels in the same order, it is counted itself.
 
 Each cell then gets ``timing.estimate_step`` with the layout of its own world size
 (the flat scheme's collectives, one unit prefetched), and the best row is the one
@@ -121,6 +126,17 @@ def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: 
     )
 
 
+def count_points(micro_batches: Sequence[int]) -> list[int]:
+    """The micro-batches a plan counts (see the module docstring): the smallest, and
+    the two smallest above 1.
+
+    >>> count_points([1, 2, 4, 8]), count_points([2, 4, 8, 16]), count_points([4])
+    ([1, 2, 4], [2, 4], [4])
+    """
+    ordered = sorted(set(micro_batches))
+    return list(dict.fromkeys([*ordered[:1], *[mb for mb in ordered if mb > 1][:2]]))
+
+
 def _on_line(a: int, b: int, x0: int, x1: int, x: int) -> int:
     """The integer on the line through (x0, a) and (x1, b) at x (exact where the
     counts are linear, as integer counts of a linear function are)."""
@@ -155,9 +171,9 @@ class CellTimer:
         self.layout, self.cfg = layout, cfg
 
     def wanted(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> list[Count]:
-        """The counts not made yet of the two smallest micro-batches of each
-        checkpointing choice."""
-        points = sorted(set(micro_batches))[:2]
+        """The counts not made yet of each checkpointing choice's counted
+        micro-batches (``count_points``)."""
+        points = count_points(micro_batches)
         return self._wanted([Cell.at(1, mb, ck) for ck in checkpointing for mb in points])
 
     def _wanted(self, cells: list[Cell]) -> list[Count]:
@@ -169,8 +185,13 @@ class CellTimer:
         self.counts.update(mine)
 
     def count(self, micro_batches: Sequence[int], checkpointing: Sequence[str]) -> None:
-        """Counts the two smallest micro-batches of each checkpointing choice."""
+        """Counts each checkpointing choice's counted micro-batches."""
         self._run(self.wanted(micro_batches, checkpointing))
+
+    def count_missing(self, keys) -> None:
+        """Counts each (micro-batch, checkpointing) of ``keys`` that no line reaches,
+        all in one pool (its processes run them side by side)."""
+        self._run(self._wanted([Cell.at(1, *k) for k in keys if self.derived(*k) is None]))
 
     def _run(self, jobs: list[Count]) -> None:
         if jobs:
@@ -184,12 +205,22 @@ class CellTimer:
         return len(self.counts)
 
     def costs(self, micro_batch: int, checkpointing: str) -> StepCosts:
+        found = self.derived(micro_batch, checkpointing)
+        if found is None:
+            self._run(self._wanted([Cell.at(1, micro_batch, checkpointing)]))
+            found = self.counts[Cell.at(1, micro_batch, checkpointing)]
+        return found
+
+    def derived(self, micro_batch: int, checkpointing: str) -> StepCosts | None:
+        """The costs from the counts made, counted or on a line; None where the
+        micro-batch needs a count of its own."""
         have = sorted(c.micro_batch for c in self.counts if c.checkpointing == checkpointing)
         at = lambda mb: Cell.at(1, mb, checkpointing)  # noqa: E731 - counted at world size 1
         if micro_batch in have:
             return self.counts[at(micro_batch)]
-        if len(have) >= 2:
-            low, high = have[0], have[1]
+        below = [mb for mb in have if mb < micro_batch][-2:]
+        if len(below) == 2:
+            low, high = below
             found = interpolate(
                 self.counts[at(low)],
                 self.counts[at(high)],
@@ -199,8 +230,7 @@ class CellTimer:
             )
             if found is not None:
                 return found
-        self._run(self._wanted([at(micro_batch)]))
-        return self.counts[at(micro_batch)]
+        return None
 
     def time(self, row: PlanRow, costs: StepCosts, phases=None) -> StepEstimate:
         s = self.setup
@@ -222,6 +252,7 @@ def timed_rows(timer: CellTimer, rows: Sequence[PlanRow]) -> list[PlanRow]:
     timer.count(
         sorted({r.micro_batch for r in rows}), list(dict.fromkeys(r.checkpointing for r in rows))
     )
+    timer.count_missing(dict.fromkeys((r.micro_batch, r.checkpointing) for r in rows))
     steps: dict[tuple[int, str], tuple] = {}
     out = []
     for r in rows:
