@@ -43,6 +43,7 @@ from ..timing import (
     estimate_step,
     gpu_spec,
 )
+from ..timing.roofline import efficiency_for
 from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
 from .cell import Cell
@@ -68,7 +69,8 @@ def timing_setup(opts: PlanOptions) -> TimingSetup | None:
     if opts.profile is not None:  # read once, with the options
         gpu, eff = opts.profile.gpu, opts.profile.efficiency
     elif opts.gpu is not None:
-        gpu, eff = gpu_spec(opts.gpu), Efficiency()
+        gpu = gpu_spec(opts.gpu)
+        eff = efficiency_for(gpu)
     else:
         return None
     cluster = Cluster() if opts.network is None else Cluster(inter_node_bytes_per_s=opts.network)
