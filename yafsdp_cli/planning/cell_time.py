@@ -103,7 +103,13 @@ def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: 
         return None
     ops = []
     for a, b in zip(low.ops, high.ops):
-        if (a.name, a.phase, a.dtype, a.recompute) != (b.name, b.phase, b.dtype, b.recompute):
+        if (a.name, a.phase, a.dtype, a.recompute, len(a.dims)) != (
+            b.name,
+            b.phase,
+            b.dtype,
+            b.recompute,
+            len(b.dims),
+        ):
             return None
         ops.append(
             dataclasses.replace(
@@ -112,6 +118,7 @@ def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: 
                     f: _on_line(getattr(a, f), getattr(b, f), low_mb, high_mb, mb)
                     for f in ("matrix_flops", "model_flops", "vector_flops", "bytes")
                 },
+                dims=tuple(_on_line(x, y, low_mb, high_mb, mb) for x, y in zip(a.dims, b.dims)),
             )
         )
     ops = tuple(ops)

@@ -113,7 +113,9 @@ def ring_time(kind: str, nbytes: int, n: int, gpu: GpuSpec, cluster: Cluster) ->
     passes = 2 if kind == "all_reduce" else 1
     g = gpu.gpus_per_node
     if n <= g:
-        return passes * ((n - 1) / n * nbytes / gpu.link_bytes_per_s + (n - 1) * cluster.intra_latency_s)
+        return passes * (
+            (n - 1) / n * nbytes / gpu.link_bytes_per_s + (n - 1) * cluster.intra_latency_s
+        )
     nodes = -(-n // g)
     inter = min(gpu.link_bytes_per_s, cluster.inter_node_bytes_per_s)
     across = (nodes - 1) / n * nbytes / inter + (nodes - 1) * cluster.inter_latency_s
