@@ -67,8 +67,24 @@ def test_ring_time_on_the_node_and_beyond():
     # 4 ranks on one node: 3/4 x 4 GB / 100 GB/s + 3 x 5 us
     assert ring_time("all_gather", 4e9, 4, GPU, cluster) == pytest.approx(0.03 + 15e-6)
     assert ring_time("all_reduce", 4e9, 4, GPU, cluster) == pytest.approx(2 * (0.03 + 15e-6))
-    # 16 ranks, two nodes: 15/16 x 4 GB / 50 GB/s + 15 x 10 us
-    assert ring_time("reduce_scatter", 4e9, 16, GPU, cluster) == pytest.approx(0.075 + 15e-5)
+    # 16 ranks, two nodes of 8, hierarchical: across the nodes each GPU sends its rail's
+    # 1 other shard of 4 GB / 16 through its own NIC (1/16 x 4 GB / 50 GB/s + 1 x 10 us),
+    # then within the node a ring of 8 (7/8 x 4 GB / 100 GB/s + 7 x 5 us)
+    assert ring_time("reduce_scatter", 4e9, 16, GPU, cluster) == pytest.approx(
+        0.005 + 1e-5 + 0.035 + 35e-6
+    )
+    # 64 ranks, 8 nodes: 7/64 x 4 GB / 50 GB/s + 7 x 10 us, and the same node ring
+    assert ring_time("all_gather", 4e9, 64, GPU, cluster) == pytest.approx(
+        0.004375 * 2 + 7e-5 + 0.035 + 35e-6
+    )
+    assert ring_time("all_reduce", 4e9, 64, GPU, cluster) == pytest.approx(
+        2 * (0.00875 + 7e-5 + 0.035 + 35e-6)
+    )
+    # the NIC bounds the inter-node part only: a slower network moves it alone
+    slow = Cluster(inter_node_bytes_per_s=25e9, intra_latency_s=5e-6, inter_latency_s=1e-5)
+    assert ring_time("all_gather", 4e9, 64, GPU, slow) == pytest.approx(
+        0.0175 + 7e-5 + 0.035 + 35e-6
+    )
     assert ring_time("all_gather", 4e9, 1, GPU, cluster) == 0
 
 

@@ -17,8 +17,9 @@ from yafsdp_cli.planning import PlanOptions, plan_model
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.schemes import DDP, FLAT, FSDP2
 from yafsdp_cli.sources import load_source
-from yafsdp_cli.timing import Efficiency, count_step, estimate_step, gpu_spec
+from yafsdp_cli.timing import count_step, estimate_step, gpu_spec
 from yafsdp_cli.timing.comm_volume import collectives
+from yafsdp_cli.timing.roofline import efficiency_for
 from yafsdp_cli.timing.step_costs import ACCUMULATE, LATER
 from yafsdp_cli.timing.step_estimate import phase_times
 
@@ -56,11 +57,11 @@ def test_a_later_micro_batch_runs_the_first_ones_kernels_and_adds_its_gradients(
 
 
 def times(costs):
-    return phase_times(costs, GPU, Efficiency())
+    return phase_times(costs, GPU, efficiency_for(GPU))  # estimate_step's default
 
 
 def above_floor(phase) -> float:
-    return phase.seconds - phase.kernels * Efficiency().kernel_floor_s
+    return phase.seconds - phase.kernels * efficiency_for(GPU).kernel_floor_s
 
 
 @pytest.mark.parametrize("world", [1, 8])
@@ -90,7 +91,7 @@ def test_the_optimizer_is_paid_once_and_tokens_are_every_micro_batch(world):
 
 def above_floor_share(estimate, optimizer) -> float:
     """The part of the optimizer's work above the launch floor a rank's step took."""
-    floor = optimizer.kernels * Efficiency().kernel_floor_s
+    floor = optimizer.kernels * efficiency_for(GPU).kernel_floor_s
     return (estimate.optimizer_s - floor) / above_floor(optimizer)
 
 

@@ -48,6 +48,7 @@ from ..timing import (
     estimate_step,
     gpu_spec,
 )
+from ..timing.roofline import efficiency_for
 from ..timing.step_costs import PHASES, phase_totals
 from ..timing.step_estimate import objective_key, phase_times
 from .cell import Cell
@@ -73,7 +74,8 @@ def timing_setup(opts: PlanOptions) -> TimingSetup | None:
     if opts.profile is not None:  # read once, with the options
         gpu, eff = opts.profile.gpu, opts.profile.efficiency
     elif opts.gpu is not None:
-        gpu, eff = gpu_spec(opts.gpu), Efficiency()
+        gpu = gpu_spec(opts.gpu)
+        eff = efficiency_for(gpu)
     else:
         return None
     cluster = Cluster() if opts.network is None else Cluster(inter_node_bytes_per_s=opts.network)
@@ -106,7 +108,13 @@ def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: 
         return None
     ops = []
     for a, b in zip(low.ops, high.ops):
-        if (a.name, a.phase, a.dtype, a.recompute) != (b.name, b.phase, b.dtype, b.recompute):
+        if (a.name, a.phase, a.dtype, a.recompute, len(a.dims)) != (
+            b.name,
+            b.phase,
+            b.dtype,
+            b.recompute,
+            len(b.dims),
+        ):
             return None
         ops.append(
             dataclasses.replace(
@@ -115,6 +123,7 @@ def interpolate(low: StepCosts, high: StepCosts, low_mb: int, high_mb: int, mb: 
                     f: _on_line(getattr(a, f), getattr(b, f), low_mb, high_mb, mb)
                     for f in ("matrix_flops", "model_flops", "vector_flops", "bytes")
                 },
+                dims=tuple(_on_line(x, y, low_mb, high_mb, mb) for x, y in zip(a.dims, b.dims)),
             )
         )
     ops = tuple(ops)

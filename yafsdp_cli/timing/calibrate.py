@@ -139,6 +139,38 @@ def time_matmul(device, m: int, k: int, n: int, dtype: torch.dtype, repeat: int 
     return _timed(lambda: torch.mm(a, b, out=out), device, repeat)
 
 
+def attention_seconds(
+    device, batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, repeat: int = 5
+) -> tuple[float, float]:
+    """(forward, backward) seconds of causal ``scaled_dot_product_attention`` at the
+    model's shape, the kernel the fake step counts."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (
+        torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_()
+        for _ in range(3)
+    )
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(q, k, v, is_causal=True)
+    grad = torch.ones_like(out)
+    forward = _timed(lambda: sdpa(q, k, v, is_causal=True), device, repeat)
+
+    def both():
+        torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad)
+
+    return forward, max(_timed(both, device, repeat) - forward, 1e-12)
+
+
+def attention_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(heads, head dim) from a transformers config; None where it has none."""
+    cfg = getattr(module, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    width = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not heads or not width:
+        return None
+    return heads, getattr(cfg, "head_dim", None) or width // heads
+
+
 def hbm_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 10) -> float:
     """Bytes/s of a copy: each byte read once and written once."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
@@ -214,15 +246,28 @@ def measure(
     )
     hbm = hbm_bandwidth(device, copy_bytes, repeat)
     tiny = tiny_op_seconds(device)
+    attention = attention_shape(module)
+    if attention is not None:
+        heads, head_dim = attention
+        b, t = opts.step.batch, opts.step.seq_len
+        fwd_s, bwd_s = attention_seconds(device, b, heads, t, head_dim, dtype, repeat)
+        # the kernels' FLOPs as the fake step counts them: causal, half the square;
+        # backward 2.5 forwards (the recomputed scores and four gradients)
+        fwd_flops = 2 * b * heads * t * t * head_dim
+        attention = (fwd_flops / fwd_s, 2.5 * fwd_flops / bwd_s)
     step_s = real_step_seconds(module, opts, warmup, steps)
     del module
     costs = count_step(loaded, dataclasses.replace(opts, fake=True))
     flops = sum(2 * r.m * r.k * r.n * r.count for r in matmuls)
     achieved = flops / sum(r.seconds * r.count for r in matmuls)
+    # measured at the model's own shapes and sequence: no shape factors on top
+    peak = base.matrix_peak(dtype_name)
     eff = Efficiency(
-        matrix=_fraction(achieved / base.matrix_peak(dtype_name)),
+        matrix=_fraction(achieved / peak),
         memory=_fraction(hbm / base.hbm_bytes_per_s),
         kernel_floor_s=0.0,
+        attention_forward=_fraction(attention[0] / peak) if attention else None,
+        attention_backward=_fraction(attention[1] / peak) if attention else None,
     )
     layout = plan(loaded.spec)  # one rank: no collectives, the whole optimizer step
     bare = estimate_step(costs, layout, base, eff=eff)
@@ -232,6 +277,11 @@ def measure(
     predicted = estimate_step(costs, layout, base, eff=eff).step_s
     datasheet = estimate_step(costs, layout, base).step_s  # the default efficiencies
     record = _record(device, matmuls, hbm, tiny, opts)
+    if attention:
+        record["attention_tflops"] = {
+            "forward": attention[0] / 1e12,
+            "backward": attention[1] / 1e12,
+        }
     record["step"].update(measured_s=step_s, predicted_s=predicted, datasheet_s=datasheet)
     profile = GpuProfile(_measured_gpu(base, device, record), eff, record)
     return Measured(matmuls, hbm, tiny, step_s, predicted, datasheet, kernels, profile)

@@ -106,16 +106,21 @@ def ring_sent(kind: str, nbytes: int, n: int) -> int:
 
 
 def ring_time(kind: str, nbytes: int, n: int, gpu: GpuSpec, cluster: Cluster) -> float:
-    """Seconds for one ring collective (see the module docstring)."""
+    """Seconds for one collective over ``n`` ranks (see the module docstring): a ring
+    over the intra-node link while ``n`` fits on a node, else hierarchical."""
     if n == 1:
         return 0.0
-    if n <= gpu.gpus_per_node:
-        bandwidth, latency = gpu.link_bytes_per_s, cluster.intra_latency_s
-    else:
-        bandwidth = min(gpu.link_bytes_per_s, cluster.inter_node_bytes_per_s)
-        latency = cluster.inter_latency_s
     passes = 2 if kind == "all_reduce" else 1
-    return passes * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
+    g = gpu.gpus_per_node
+    if n <= g:
+        return passes * (
+            (n - 1) / n * nbytes / gpu.link_bytes_per_s + (n - 1) * cluster.intra_latency_s
+        )
+    nodes = -(-n // g)
+    inter = min(gpu.link_bytes_per_s, cluster.inter_node_bytes_per_s)
+    across = (nodes - 1) / n * nbytes / inter + (nodes - 1) * cluster.inter_latency_s
+    within = (g - 1) / g * nbytes / gpu.link_bytes_per_s + (g - 1) * cluster.intra_latency_s
+    return passes * (across + within)
 
 
 def unit_order(layout: Layout) -> list[str]:

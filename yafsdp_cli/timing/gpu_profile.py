@@ -4,9 +4,12 @@ The file is the JSON object of ``schemas/gpu.schema.json``: the figures
 ``gpu_specs.load_gpu`` reads, plus two optional keys that ``yafsdp calibrate``
 writes, so that ``plan --gpu-profile`` times kernels as the measured GPU runs them:
 
-- ``efficiency``: ``matrix``, ``vector``, ``memory`` (fractions of the peaks, in
-  (0, 1]) and ``kernel_floor_us`` (the least a kernel costs, microseconds): the
-  roofline's ``Efficiency``; absent keys keep its defaults;
+- ``efficiency``: ``matrix``, ``vector``, ``memory``, ``attention_forward``,
+  ``attention_backward`` (fractions of the peaks, in (0, 1]), ``kernel_floor_us``
+  (the least a kernel costs, microseconds), ``matrix_half_dim`` and
+  ``attention_half_seq`` (the shape factors' half points): the roofline's
+  ``Efficiency``; absent keys keep the published ones of the GPU the profile names
+  (``roofline.efficiency_for``: a known row's name), else the generic defaults;
 - ``calibration``: what was measured and how (free-form; recorded, never read back
   into the model).
 
@@ -19,6 +22,7 @@ writes, so that ``plan --gpu-profile`` times kernels as the measured GPU runs th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -28,9 +32,18 @@ from pathlib import Path
 from ..errors import YafsdpError
 from ..numbers import MIN_EFFICIENCY, checked, shown
 from .gpu_specs import GIGA, TERA, GpuSpec, gpu_from_dict, read_profile_json
-from .roofline import Efficiency
+from .roofline import Efficiency, efficiency_for
 
-EFFICIENCY_KEYS = ("matrix", "vector", "memory", "kernel_floor_us")
+EFFICIENCY_KEYS = (
+    "matrix",
+    "vector",
+    "memory",
+    "kernel_floor_us",
+    "matrix_half_dim",
+    "attention_forward",
+    "attention_backward",
+    "attention_half_seq",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +66,12 @@ def profile_from_dict(doc, where: str = "GPU profile") -> GpuProfile:
     calibration = doc.get("calibration", {})
     if not isinstance(calibration, dict):
         raise YafsdpError(f"{where}: 'calibration' must be an object")
-    return GpuProfile(gpu, _efficiency(doc.get("efficiency", {}), where), calibration)
+    return GpuProfile(gpu, _efficiency(doc.get("efficiency", {}), where, gpu), calibration)
 
 
-def _efficiency(doc, where: str) -> Efficiency:
+def _efficiency(doc, where: str, gpu: GpuSpec) -> Efficiency:
+    """The profile's efficiencies over the published ones of the GPU it names
+    (``roofline.efficiency_for``): a key the file leaves out keeps those."""
     if not isinstance(doc, dict):
         raise YafsdpError(f"{where}: 'efficiency' must be an object with {EFFICIENCY_KEYS}")
     extra = sorted(set(doc) - set(EFFICIENCY_KEYS))
@@ -69,7 +84,8 @@ def _efficiency(doc, where: str) -> Efficiency:
             raise YafsdpError(
                 f"{where}: efficiency {key!r} must be a number, got {shown(repr(value))}"
             )
-        if key == "kernel_floor_us":  # at most a second: no kernel launch costs more
+        if key in ("kernel_floor_us", "matrix_half_dim", "attention_half_seq"):
+            # at most a second, a million elements: no launch or tile is larger
             checked(value, f"{where}: efficiency {key!r}", 0, 1e6)
         elif 0 < value < MIN_EFFICIENCY:  # above 1, NaN and inf: ``Efficiency`` says so
             raise YafsdpError(
@@ -79,7 +95,7 @@ def _efficiency(doc, where: str) -> Efficiency:
     if "kernel_floor_us" in doc:
         given["kernel_floor_s"] = doc["kernel_floor_us"] * 1e-6
     try:
-        return Efficiency(**given)
+        return dataclasses.replace(efficiency_for(gpu), **given)
     except YafsdpError as exc:
         raise YafsdpError(f"{where}: {exc}") from None
 
@@ -102,6 +118,13 @@ def profile_to_dict(profile: GpuProfile) -> dict:
             "vector": e.vector,
             "memory": e.memory,
             "kernel_floor_us": e.kernel_floor_s * 1e6,
+            "matrix_half_dim": e.matrix_half_dim,
+            "attention_half_seq": e.attention_half_seq,
+            **{
+                k: getattr(e, k)
+                for k in ("attention_forward", "attention_backward")
+                if getattr(e, k) is not None
+            },
         },
     }
     if profile.calibration:

@@ -57,6 +57,13 @@ ATTENTION_BACKWARD = {
     aten._flash_attention_backward,
     aten._efficient_attention_backward,
 }
+# the kernels that take (batch, sequence, heads, head dim), not the sdpa ops' (b, h, s, d)
+BSHD_ATTENTION = {
+    aten._flash_attention_forward,
+    aten._efficient_attention_forward,
+    aten._flash_attention_backward,
+    aten._efficient_attention_backward,
+}
 # torch's backward formula is 5 products of the forward's shapes: the scores again,
 # then the gradients of the scores, of q, of k and of v (4, the model's own work)
 BACKWARD_PRODUCTS, MODEL_BACKWARD_PRODUCTS = 5, 4
@@ -93,6 +100,9 @@ class OpCost:
     vector_flops: int
     bytes: int
     recompute: bool  # forward recomputed by activation checkpointing, in backward
+    # the shape the roofline's efficiency reads: a matrix product's (M, K, N), an
+    # attention kernel's (sequence, head dimension, causal 0|1); () for other ops
+    dims: tuple[int, ...] = ()
 
 
 class OpCounter(TorchDispatchMode):
@@ -150,7 +160,30 @@ def op_cost(func, args, kwargs, out, phase: str, recompute: bool) -> OpCost:
         vector_flops=0 if packet in flop_registry else elems,
         bytes=read + written,
         recompute=recompute,
+        dims=_dims(packet, args, kwargs, func) if packet in flop_registry else (),
     )
+
+
+def _dims(packet, args, kwargs, func) -> tuple[int, ...]:
+    """(M, K, N) of a 2-D or batched product; (sequence, head dim, causal) of an
+    attention kernel; () where neither reads off the arguments."""
+    if packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD:
+        named = _named_args(func, args, kwargs)
+        q = named.get("query")
+        if q is None or q.dim() < 2:
+            return ()
+        causal = bool(named.get("is_causal", False)) and _square(named)
+        seq = q.shape[1] if packet in BSHD_ATTENTION else q.shape[-2]
+        return (seq, q.shape[-1], int(causal))
+    if packet in (aten.mm, aten.bmm) and len(args) >= 2:
+        a, b = args[0], args[1]
+    elif packet in (aten.addmm, aten.baddbmm) and len(args) >= 3:
+        a, b = args[1], args[2]
+    else:
+        return ()
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2:
+        return ()
+    return (a.shape[-2], a.shape[-1], b.shape[-1])
 
 
 def kernel_flops(func, args, kwargs, torch_flops: int) -> tuple[int, int]:

@@ -55,7 +55,7 @@ from ..memory.config import MemoryConfig
 from ..schemes import FLAT, WHOLE, Scheme
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, unit_order
 from .gpu_specs import GpuSpec
-from .roofline import Efficiency, PhaseTime, phase_time
+from .roofline import Efficiency, PhaseTime, efficiency_for, phase_time
 from .step_costs import ACCUMULATE, LATER, StepCosts
 
 
@@ -102,7 +102,7 @@ def estimate_step(
     the layout, so a grid of world sizes computes them once);
     ``reduce_every_micro_batch``: None for the scheme's own way (its ``Collectives``),
     else whether gradients are reduced in every micro-batch or in the last alone."""
-    cluster, eff = cluster or Cluster(), eff or Efficiency()
+    cluster, eff = cluster or Cluster(), eff or efficiency_for(gpu)
     scheme = check_scheme(scheme)
     n = layout.world_size
     phases = phases or phase_times(costs, gpu, eff)
