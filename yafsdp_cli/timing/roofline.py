@@ -181,13 +181,18 @@ def phase_time(ops, phase: str, gpu: GpuSpec, eff: Efficiency | None = None) -> 
 # - ``matrix_half_dim`` 256: a product's smallest side at which it runs at half that
 #   (cuBLAS's tiles are 128 to 256 wide; a side of a few tiles leaves waves of SMs
 #   idle), so a 4096-wide product reaches 94% of the best shape and a 768-wide one 75%;
-# - ``attention_*``: FlashAttention-2 (what torch's SDPA runs on A100 and H100),
-#   causal, head dimension 128, its FLOPs with the masked half not counted, over the
-#   dense peak at 16k tokens: A100 forward about 200 and backward about 170 TFLOP/s
-#   (Dao 2023, figure 4), H100 forward about 350 and backward about 300 (Dao 2023,
-#   figure 7; Shah et al. 2024, FlashAttention-3, figures 5-6 for the FA2 baseline);
-#   ``attention_half_seq`` 512: the sequence at which a kernel runs at half that (both
-#   papers' rates at 512 tokens are about half of those at 16k);
+# - ``attention_*``: the flash kernels' share of the dense peak at head dimension 128
+#   and a long sequence, causal, the masked half not counted. The standalone
+#   FlashAttention-2 rates (Dao 2023, figures 4 and 7: about 200 forward and 170
+#   backward TFLOP/s on an A100, 350 and 300 on an H100) over-predict the published
+#   long-sequence training rows by up to 1.46x, so these are solved from two
+#   published rows per GPU (MPT-1B at 2048 and 32768 tokens on A100 80GB and on H100,
+#   llm-foundry's tables: the non-attention work at ``matrix``, attention at this
+#   rate, both MFUs as published), split forward/backward in FlashAttention-2's 1.2
+#   ratio; the H200 takes the H100's (the same chip). ``attention_half_seq`` 512: the
+#   sequence at which a kernel runs at half that (both FlashAttention papers' rates at
+#   512 tokens are about half of those at 16k). docs/timing.md says which rows check
+#   them;
 # - ``memory``: a streaming copy reaches 80-90% of the datasheet's HBM bandwidth.
 _A100 = Efficiency(
     matrix=0.869, matrix_half_dim=256, attention_forward=0.354,
