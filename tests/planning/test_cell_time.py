@@ -222,6 +222,10 @@ def test_plan_json_carries_the_time_of_every_cell():
         assert time["step_s"] > 0 and 0 < time["mfu"] < 1
         assert time["tokens_per_s"] == pytest.approx(time["tokens"] / time["step_s"])
         assert time["exposed_share"] == pytest.approx(time["exposed_comm_s"] / time["step_s"])
+        compute = time["forward_s"] + time["backward_s"] + time["optimizer_s"]
+        assert sum(time["compute_bound_s"].values()) == pytest.approx(compute)
+        outlasts = time["comm_s"] > time["forward_s"] + time["backward_s"]
+        assert time["decided_by"] == ("communication" if outlasts else "compute")
     fitting = [r for r in doc["rows"] if r["fits"]]
     best = max(fitting, key=lambda r: (r["time"]["tokens_per_s"], r["world_size"]))
     assert doc["best"] == best
@@ -249,6 +253,9 @@ def test_plan_markdown_table_and_html_show_the_time_columns(tmp_path):
         flat = " ".join(result.stdout.split())  # the answer wraps at the console's width
         reason = flat[flat.index("recommended:") : flat.index("assumed:")]
         assert "tokens/s per GPU" in reason  # the answer says why
+        # --explain says where the best row's step goes and what decides it
+        goes = flat[flat.index("where the step goes: compute") :]
+        assert "launch floors" in goes and "decides the step" in goes
     html = page.read_text()
     assert 'id="time"' in html and "tokens/s per GPU" in html
 

@@ -90,3 +90,42 @@ def best_line(report: PlanReport) -> str | None:
             f"{t.wall_hours:,.1f} h on {b.world_size} GPUs"
         )
     return line
+
+
+# each bound's words: what decides a kernel's time (``timing.roofline.BOUNDS``)
+BOUND_WORDS = {
+    "matrix": "products",
+    "attention": "attention",
+    "vector": "vector math",
+    "memory": "memory",
+    "floor": "launch floors",
+}
+
+
+def bound_line(report: PlanReport) -> str | None:
+    """Where the best row's step goes: its compute by the bound that decides each
+    kernel, its communication, and which of the two decides the step."""
+    b = report.best
+    if report.timing is None or b is None or not b.time.compute_bound_s:
+        return None
+    t = b.time
+    compute = t.compute_s
+    parts = [
+        f"{BOUND_WORDS[k]} {v / compute:.0%}"
+        for k, v in t.compute_bound_s.items()
+        if k != "vector" or v >= 0.005 * compute
+    ]
+    lead = max((k for k in t.compute_bound_s if k != "floor"), key=t.compute_bound_s.get)
+    if t.decided_by == "communication":
+        decides = (
+            f"communication decides the step: its collectives take {seconds(t.comm_s)} back "
+            f"to back, longer than the {seconds(t.forward_s + t.backward_s)} of forward and "
+            "backward they run behind"
+        )
+    else:
+        decides = f"compute decides the step, {BOUND_WORDS[lead]} the most of it"
+    return (
+        f"where the step goes: compute {seconds(compute)} ({', '.join(parts)}); "
+        f"collectives {seconds(t.comm_s)} back to back, {seconds(t.exposed_comm_s)} of them "
+        f"exposed; {decides}"
+    )

@@ -18,7 +18,7 @@ from .formatting import (
     markdown_table,
     plain,
 )
-from .plan_time_view import WHY_BEST, best_line, seconds, time_section
+from .plan_time_view import WHY_BEST, best_line, bound_line, seconds, time_section
 
 MARK = {True: "fits", False: "OOM"}
 WORD = {FITS: MARK[True], TIGHT: MARK[True], OVER: MARK[False]}  # a verdict, as a cell says it
@@ -252,6 +252,9 @@ def summary_lines(report: PlanReport) -> list[str]:
     fastest = best_line(report)
     if fastest:
         lines.append(fastest)
+    goes = bound_line(report)
+    if goes:
+        lines.append(goes)
     return lines
 
 

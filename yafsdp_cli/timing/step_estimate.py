@@ -46,7 +46,7 @@ GPUs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.layout import Layout
 from ..engine.units import ROOT
@@ -55,7 +55,7 @@ from ..memory.config import MemoryConfig
 from ..schemes import FLAT, WHOLE, Scheme
 from .comm_volume import Cluster, check_scheme, collectives, ring_time, unit_order
 from .gpu_specs import GpuSpec
-from .roofline import Efficiency, PhaseTime, efficiency_for, phase_time
+from .roofline import BOUNDS, Efficiency, PhaseTime, efficiency_for, phase_time
 from .step_costs import ACCUMULATE, LATER, StepCosts
 
 
@@ -77,10 +77,21 @@ class StepEstimate:
     mfu: float
     sent_bytes: int  # per rank per step
     model_flops: int  # per GPU per step
+    # the compute (forward + backward + optimizer) by what decides each kernel
+    # (``roofline.BOUNDS``: matrix, attention, vector, memory, floor); sums to the three
+    compute_bound_s: dict[str, float] = field(default_factory=dict)
+    # "communication" where the collectives back to back take longer than the forward
+    # and backward they can run behind (only a faster network shortens the step much),
+    # else "compute"
+    decided_by: str = "compute"
 
     @property
     def exposed_share(self) -> float:
         return self.exposed_comm_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
 
 
 def estimate_step(
@@ -118,7 +129,8 @@ def estimate_step(
     accum = costs.grad_accum
     per_step = [accum if every or c.kind == "all_gather" else 1 for c in found]
     exposed = _exposed(layout, found, times, fwd.seconds, bwd.seconds)
-    later_fwd, later_bwd = _later(costs, phases, eff, _held_share(layout, scheme, costs, every))
+    held = _held_share(layout, scheme, costs, every)
+    later_fwd, later_bwd = _later(costs, phases, eff, held)
     if accum > 1:
         mine = [(c, t) for c, t, k in zip(found, times, per_step) if k == accum]
         found_later, times_later = [c for c, _ in mine], [t for _, t in mine]
@@ -128,6 +140,13 @@ def estimate_step(
     step = forward_s + backward_s + exposed + optimizer_s
     model = _model_flops(costs)
     tokens = costs.tokens * accum
+    # the same sums as the phases' seconds, bound by bound
+    weighted = [(fwd, 1.0, 1.0), (bwd, 1.0, 1.0), (opt, 1.0, _stepped_share(layout, scheme, costs))]
+    if accum > 1:
+        later = [phases[LATER[0]], phases[LATER[1]]]
+        weighted += [(p, accum - 1.0, 1.0) for p in later]
+        weighted.append((phases[ACCUMULATE], accum - 1.0, held))
+    comm_s = sum(k * t for k, t in zip(per_step, times))
     return StepEstimate(
         gpu=gpu.name,
         scheme=scheme.timing_key,
@@ -136,14 +155,27 @@ def estimate_step(
         forward_s=forward_s,
         backward_s=backward_s,
         optimizer_s=optimizer_s,
-        comm_s=sum(k * t for k, t in zip(per_step, times)),
+        comm_s=comm_s,
         exposed_comm_s=exposed,
         step_s=step,
         tokens_per_s=tokens / step,
         mfu=model / (gpu.matrix_peak(_main_dtype(costs)) * step),
         sent_bytes=sum(k * c.sent for k, c in zip(per_step, found)),
         model_flops=model,
+        compute_bound_s=_by_bound(weighted),
+        decided_by="communication" if comm_s > forward_s + backward_s else "compute",
     )
+
+
+def _by_bound(weighted) -> dict[str, float]:
+    """The seconds each bound decides over ``(phase, times, share)``: a phase's
+    kernels run ``times`` times, their part above the floor scaled by ``share`` (the
+    optimizer's, on this rank's part of the parameters)."""
+    out = dict.fromkeys(BOUNDS, 0.0)
+    for phase, times, share in weighted:
+        for bound, seconds in phase.bound_s.items():
+            out[bound] += times * (seconds if bound == "floor" else seconds * share)
+    return out
 
 
 def _later(costs: StepCosts, phases, eff: Efficiency, share: float) -> tuple[float, float]:
