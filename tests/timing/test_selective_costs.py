@@ -1,7 +1,7 @@
 """The kernels of a step under the selective checkpointing modes, as the step-time
 model counts them: what is recomputed in backward is marked ``recompute``, what the
-selective policy saved is not run again, and the count written from a few layers of
-the stack equals the count of the whole model."""
+selective policy saved is not run again, the count written from a few layers of
+the stack equals the count of the whole model, and the recompute is timed."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import dataclasses
 import pytest
 from helpers import options
 
-from yafsdp_cli.options import StepOptions
+from yafsdp_cli.engine.plan import plan
+from yafsdp_cli.options import LayoutOptions, StepOptions
 from yafsdp_cli.profiling import ProfileOptions
 from yafsdp_cli.sources import load_source
+from yafsdp_cli.timing import estimate_step, gpu_spec
+from yafsdp_cli.timing.roofline import efficiency_for, op_time
 from yafsdp_cli.timing.step_costs import count_step
 
 tf = pytest.importorskip("transformers")
@@ -89,3 +92,22 @@ def test_periodic_count_equals_the_whole_count(tmp_path, layers, mode, depths):
     assert periodic.counted.startswith(f"{depths} layers"), periodic.counted
     assert dataclasses.replace(periodic, counted="") == whole
     assert _recomputed(whole)
+
+
+def test_the_recompute_is_timed_in_the_backward(tmp_path):
+    """Each mode's backward is the plain backward plus its recomputed kernels on the
+    roofline: full recompute costs the most, selective:op less, every second layer
+    less again."""
+    path = _llama(tmp_path, 4)
+    gpu = gpu_spec("h100-sxm")
+    eff = efficiency_for(gpu)
+    backward, recomputed = {}, {}
+    for mode in ("none", "selective:layer=2", "selective:op", "non-reentrant"):
+        costs = _count(path, mode, param_dtype="bf16")
+        layout = plan(load_source(path).spec, LayoutOptions(world_size=1))
+        backward[mode] = estimate_step(costs, layout, gpu).backward_s
+        recomputed[mode] = sum(op_time(o, gpu, eff)[0] for o in _recomputed(costs))
+    for mode, seconds in backward.items():
+        assert seconds == pytest.approx(backward["none"] + recomputed[mode], rel=1e-9)
+    order = [backward[m] for m in ("none", "selective:layer=2", "selective:op", "non-reentrant")]
+    assert order == sorted(order) and len(set(order)) == 4
