@@ -92,6 +92,17 @@ def test_quantized_base_holds_its_packed_bytes(llama, kind):
     )
 
 
+@pytest.mark.parametrize("kind", ["nf4", "nf4-dq"])
+def test_a_16_bit_step_keeps_the_scales_in_their_format(llama, kind):
+    """Training in bfloat16 casts every floating buffer to it, but not a quantized
+    base's absmax scales: bitsandbytes keeps them float32 whatever the compute dtype."""
+    plain, packed = (fake(llama, param_dtype="bfloat16", **q) for q in ({}, {"quantize": kind}))
+    parts = [packed_parts(kind, s) for s in LINEARS]
+    beside = sum(q.nbytes for p in parts for q in p[1:])
+    assert any(q.dtype == "float32" for p in parts for q in p[1:])  # the case this is for
+    assert packed.original.peak.buffers - plain.original.peak.buffers == beside
+
+
 def test_quantize_without_fake_says_so(llama):
     result = runner.invoke(app, ["profile", str(llama), "--lora", LORA, "--quantize", "nf4"])
     assert result.exit_code == 2, result.output

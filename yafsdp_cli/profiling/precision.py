@@ -27,7 +27,9 @@ from ..options import check_training_dtypes  # noqa: F401 - precision's API
 
 def cast_params(module: nn.Module, param_dtype: str | None, keep_frozen: bool = False) -> None:
     """Every floating-point parameter and buffer in ``param_dtype``, as
-    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype).
+    ``module.to(dtype)`` does (BatchNorm needs its statistics in the input's dtype),
+    but a module's tensors of a fixed format (``keep_format``: a quantized layer's
+    float32 scales, which bitsandbytes keeps so whatever the compute dtype).
     ``keep_frozen``: parameters that do not train keep their stored dtype, as a LoRA
     base does (peft's layers cast what they are given to the adapter's dtype; a
     frozen layer without one would meet the other dtype and fail)."""
@@ -41,6 +43,9 @@ def cast_params(module: nn.Module, param_dtype: str | None, keep_frozen: bool = 
         for name, b in mod._buffers.items():
             if b is not None and b.is_floating_point() and b.dtype != target:
                 mod._buffers[name] = b.to(target)
+        keep = getattr(mod, "keep_format", None)  # a quantized base's scales stay float32
+        if keep is not None:
+            keep()
 
 
 class Masters:

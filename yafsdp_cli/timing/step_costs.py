@@ -39,7 +39,6 @@ from ..engine.choices import layer_period
 from ..engine.idioms import apply_checkpointing
 from ..engine.losses import loss_for
 from ..engine.module_spec import spec_from_module
-from ..engine.packed_linear import PackedLinear
 from ..engine.plan import plan
 from ..engine.train_step import make_batch, make_optimizer, run_forward
 from ..errors import YafsdpError
@@ -153,9 +152,6 @@ def _count(module, spec, opts: ProfileOptions) -> StepCosts:
         with fake_mode:
             model = fake_copy(module, spec, "cpu")
             cast_params(model, opts.step.param_dtype)
-            for layer in model.modules():  # a quantized base's scales stay float32
-                if isinstance(layer, PackedLinear):
-                    layer.keep_format()
             model.train()
             units = plan(spec_from_module(model), LayoutOptions(units=opts.layout.units)).units
             apply_checkpointing(model, opts.step.checkpointing, units)
