@@ -54,3 +54,12 @@ def deep_odd_at_4():
 
 def deep_odd_at_11():
     return Stack(odd=11, depth=16)
+
+
+def wide_llama():
+    """The sample Llama with a vocabulary whose embedding and head each outweigh a
+    block (1024 x 64 beside a block's 36,864 elements): both are units of their own."""
+    from sample_models.models import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1024, dtype="float32"))

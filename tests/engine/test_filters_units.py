@@ -146,3 +146,49 @@ def test_weight_tied_across_units_goes_to_root():
         "blocks.0.w": "",
         "blocks.1.v": "blocks.1",
     }
+
+
+def _wide(vocab: int, tied: bool = False) -> ModelSpec:
+    """Names only: an embedding and a head of ``vocab`` rows of 8 beside two blocks of
+    8x8 + 8x8 (128 elements each), float32."""
+    tensors = [TensorRecord("embed.weight", (vocab, 8), "float32")]
+    for i in range(2):
+        tensors += [TensorRecord(f"layers.{i}.{n}.weight", (8, 8), "float32") for n in "ab"]
+    tensors.append(TensorRecord("norm.weight", (8,), "float32"))
+    head = TensorRecord("head.weight", (vocab, 8), "float32")
+    if tied:
+        tensors[0] = TensorRecord("embed.weight", (vocab, 8), "float32", aliases=("head.weight",))
+    else:
+        tensors.append(head)
+    modules = ("embed", "layers", "layers.0", "layers.1", "norm", *(() if tied else ("head",)))
+    return ModelSpec(
+        tuple(tensors), has_architecture=False, units=("layers.0", "layers.1"), module_names=modules
+    )
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tied", "split"),
+    [
+        (16, False, ("embed", "head")),  # 128 elements each: as large as a block
+        (15, False, ()),  # one row short of a block
+        (64, True, ()),  # a tied head's weight is the embedding's: it cannot move
+    ],
+)
+def test_modules_outweighing_a_block_get_units_of_their_own(vocab, tied, split):
+    layout = plan(_wide(vocab, tied))
+    assert layout.units == ("layers.0", "layers.1", *split) and layout.split == split
+    assert layout.blocks == ("layers.0", "layers.1")  # what checkpointing wraps
+    owner = {b.unit for b in layout.buffers for e in b.entries if e.name == "embed.weight"}
+    assert owner == {split[0] if split else ""}
+    # given units are the user's, whole: nothing is split beside them
+    given = plan(_wide(vocab, tied), LayoutOptions(units=("layers.*",)))
+    assert given.units == ("layers.0", "layers.1") and given.split == ()
+
+
+def test_a_split_layout_reads_back_from_its_metadata():
+    from yafsdp_cli.engine.layout import layout_from_dict, layout_to_dict
+
+    split, plain = plan(_wide(16)), plan(_wide(15))
+    assert layout_from_dict(layout_to_dict(split)) == split
+    assert "split" not in layout_to_dict(plain)  # a layout without one reads as before
+    assert layout_from_dict(layout_to_dict(plain)) == plain

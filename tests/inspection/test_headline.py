@@ -89,18 +89,31 @@ def wide_vocab(tmp_path_factory):
     return root
 
 
+def test_an_embedding_and_head_that_outweigh_a_block_are_units_of_their_own(wide_vocab):
+    """By default: so the flat layout's buffers are sized by one of them, not both."""
+    folder = wide_vocab / "tied-False"
+    doc = inspect_doc(folder, "-n", "8")
+    h = doc["headline"]
+    assert h["largest_unit"] in ("model.embed_tokens", "lm_head") and h["outside"] == []
+    blocks_only = inspect_doc(folder, "-n", "8", "--unit", "model.layers.*")
+    assert blocks_only["memory"]["largest_unit"] == ""  # the two together: the root unit
+    assert doc["memory"]["flat_bytes"] < blocks_only["memory"]["flat_bytes"]
+
+
 def test_a_root_unit_outweighing_a_block_names_its_modules_and_the_units_that_fix_it(wide_vocab):
     folder = wide_vocab / "tied-False"
-    h = inspect_doc(folder, "-n", "8")["headline"]
+    blocks = ("--unit", "model.layers.*")  # the blocks alone: the root unit holds both
+    h = inspect_doc(folder, "-n", "8", *blocks)["headline"]
     assert h["largest_unit"] == "" and h["outside"] == ["model.embed_tokens", "lm_head"]
     assert h["split_units"] == ["model.layers.*", "model.embed_tokens", "lm_head"]
-    # the figure is what inspect gives with those units, and it is less
+    # the figure is what inspect gives with those units (the default ones), and it is less
     units = [a for g in h["split_units"] for a in ("--unit", g)]
     split = inspect_doc(folder, "-n", "8", *units)
     assert h["split_flat"] == split["memory"]["flat_bytes"]
+    assert h["split_flat"] == inspect_doc(folder, "-n", "8")["memory"]["flat_bytes"]
     assert h["split_flat"] < totals(h["schemes"])["yafsdp"]
     assert split["memory"]["largest_unit"] in ("model.embed_tokens", "lm_head")
-    screen = first_screen(folder, "-n", "8")
+    screen = first_screen(folder, "-n", "8", *blocks)
     assert "model.embed_tokens and lm_head fill that unit, outside the repeated blocks" in screen
     assert (
         "--unit 'model.layers.*' --unit model.embed_tokens --unit lm_head gives them units of "

@@ -12,6 +12,7 @@ from helpers import options
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
+from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.planning import PlanOptions, parse_ints, parse_size, plan_model
 from yafsdp_cli.profiling import ProfileOptions
@@ -350,3 +351,24 @@ def test_a_sequence_past_the_models_positions_is_said_first(tmp_path):
     result = runner.invoke(app, ["plan", str(tmp_path / "gpt2"), *args])
     assert result.exit_code == 2
     assert "--seq-len 64 is longer than GPT2LMHeadModel takes: 16 positions" in result.output
+
+
+def test_plan_peak_equals_real_profile_with_the_embedding_and_head_split_out():
+    """Their own units: gathered and released around their own forward and backward by
+    the runtime, never wrapped by checkpointing (which takes the blocks alone)."""
+    loaded = load_source(None, model="stack_models:wide_llama")
+    layout = plan(loaded.spec)
+    assert layout.split == ("model.embed_tokens", "lm_head"), layout.units
+    _truth(loaded)
+
+
+def test_checkpointing_wraps_the_blocks_not_the_split_units():
+    result = CliRunner().invoke(
+        app,
+        ["profile", "--model", "stack_models:wide_llama", "--checkpointing", "non-reentrant",
+         "--seq-len", "16", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.stdout)["notes"]
+    assert "activation checkpointing: torch.utils.checkpoint (non-reentrant) around each of " \
+        "2 units" in notes  # fmt: skip

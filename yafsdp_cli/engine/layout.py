@@ -174,6 +174,14 @@ class Layout:
     world_size: int
     align: AlignSpec
     units: tuple[str, ...]
+    # the units ``units.split_units`` made of modules outside the repeated blocks (an
+    # embedding, a head): units for sharding, not blocks to checkpoint
+    split: tuple[str, ...] = ()
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        """The units activation checkpointing wraps: every unit but the split ones."""
+        return tuple(u for u in self.units if u not in self.split)
 
     @property
     def converted_numel(self) -> int:
@@ -216,8 +224,10 @@ def plan_layout(
     sharding: Sharding | None = None,
     *,
     units: Sequence[str] = (),
+    split: Sequence[str] = (),
 ) -> Layout:
-    """Pack ``selected`` parameters into one buffer per (unit, dtype, trainable).
+    """Pack ``selected`` parameters into one buffer per (unit, dtype, trainable);
+    ``split``: which of ``units`` are modules split out of the root (``Layout.split``).
 
     ``unit_of`` maps a canonical name to its unit (see ``units.assign_units``).
     Buffers appear in the order of their first parameter; the result is checked
@@ -238,7 +248,7 @@ def plan_layout(
     )
     chosen = {t.name for t in selected}
     kept = tuple(t for t in spec.tensors if t.name not in chosen)
-    layout = Layout(buffers, kept, world_size, spec_align, tuple(units))
+    layout = Layout(buffers, kept, world_size, spec_align, tuple(units), tuple(split))
     check_layout(layout)
     return layout
 
@@ -327,8 +337,12 @@ LAYOUT_VERSION = 1
 
 
 def layout_to_dict(layout: Layout) -> dict:
-    """The layout as plain JSON-able data (``dataclasses.asdict``) with a version."""
-    return {"version": LAYOUT_VERSION, **dataclasses.asdict(layout)}
+    """The layout as plain JSON-able data (``dataclasses.asdict``) with a version;
+    ``split`` only where there is one, so a layout without one reads as it always has."""
+    data = {"version": LAYOUT_VERSION, **dataclasses.asdict(layout)}
+    if not data["split"]:
+        del data["split"]
+    return data
 
 
 def layout_from_dict(data: dict) -> Layout:
@@ -346,6 +360,7 @@ def layout_from_dict(data: dict) -> Layout:
             world_size=int(data["world_size"]),
             align=AlignSpec(**data["align"]),
             units=tuple(str(u) for u in data["units"]),
+            split=tuple(str(u) for u in data.get("split", ())),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise LayoutError(f"layout metadata is malformed ({type(exc).__name__}: {exc})") from None

@@ -48,4 +48,5 @@ def plan(spec: ModelSpec, layout: LayoutChoice | None = None) -> Layout:
     selected = select(spec, choice)
     unit_names = resolve_units(spec, choice.units)
     unit_of = assign_units(spec, unit_names)
-    return plan_layout(spec, selected, unit_of, choice, units=unit_names)
+    split = () if choice.units else tuple(u for u in unit_names if u not in spec.units)
+    return plan_layout(spec, selected, unit_of, choice, units=unit_names, split=split)

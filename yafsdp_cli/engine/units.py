@@ -4,8 +4,9 @@ YaFSDP gives each transformer block its own buffer so that only one block's
 parameters are gathered at a time. By default the units are the repeated blocks:
 with an architecture, the children of the largest ``ModuleList`` (see
 ``module_spec.detect_units``); from names alone, the numbered prefixes such as
-``model.layers.N`` that cover the most elements. Everything else goes to the root
-unit, named ``""``.
+``model.layers.N`` that cover the most elements. Beside them, a module outside the
+blocks that outweighs one (an embedding, an untied head) is a unit of its own
+(``split_units``). Everything else goes to the root unit, named ``""``.
 """
 
 from __future__ import annotations
@@ -135,7 +136,37 @@ def _unit_of_name(name: str, unit_set: set[str]) -> str:
 
 
 def resolve_units(spec: ModelSpec, globs: Sequence[str] | None) -> tuple[str, ...]:
-    """The units to use: ``--unit`` globs if given, else the spec's detected units."""
+    """The units to use: ``--unit`` globs if given, else the spec's detected blocks and
+    the modules ``split_units`` gives units of their own."""
     if not globs:
-        return spec.units
+        return (*spec.units, *split_units(spec, spec.units))
     return resolve_unit_globs(globs, spec.module_names)
+
+
+def split_units(spec: ModelSpec, blocks: Sequence[str]) -> tuple[str, ...]:
+    """The modules outside ``blocks`` that each hold at least as many parameter bytes
+    as the largest block and share no tensor with a module elsewhere: an embedding
+    and an untied head that outweigh a block (Llama-3-8B's: 1.0 GB each beside a
+    block's 436 MB). Left in the root unit, they would be one unit that every rank
+    gathers whole, and the flat layout's transient buffers (two all-gather and two
+    gradient buffers of its largest unit) would be sized by it; FSDP2 setups shard them
+    on their own for the same reason (torchtitan's ``fully_shard`` of the embedding,
+    and of the final norm and output). A tied head stays: its weight is the
+    embedding's."""
+    if not blocks:
+        return ()
+    unit_of = assign_units(spec, blocks)
+    block_bytes: dict[str, int] = defaultdict(int)
+    owners: dict[str, int] = defaultdict(int)
+    for t in spec.tensors:
+        if not t.is_param:
+            continue
+        unit = unit_of[t.name]
+        if unit != ROOT:
+            block_bytes[unit] += t.nbytes
+            continue
+        homes = {n.rpartition(".")[0] for n in t.names}
+        if len(homes) == 1 and ROOT not in homes:
+            owners[homes.pop()] += t.nbytes
+    largest = max(block_bytes.values(), default=0)
+    return tuple(m for m, size in owners.items() if largest and size >= largest)

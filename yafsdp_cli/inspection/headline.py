@@ -9,11 +9,13 @@ machine most sharded runs use.
 Where the flat layout needs more, the reason is its transient buffers: two all-gather
 and two gradient buffers the size of its largest unit (``memory.estimate``), against
 FSDP2's one reduce-scatter input and ZeRO-3's one of each. They grow with the largest
-unit, and the default units (the repeated blocks, everything else in the root unit)
-make the root unit the largest wherever the embedding and an untied head outweigh a
-block: Llama-3-8B's root unit holds 1.96 GiB, a block 416 MiB. The headline then names
-those modules and the ``--unit`` globs that give them units of their own, with what
-the flat layout needs so (Llama-3-8B at 8 ranks: 18.87 GiB instead of 22.79 GiB).
+unit. The default units give an embedding and an untied head that outweigh a block
+units of their own (``engine.units.split_units``), so Llama-3-8B's largest unit is
+its embedding (1002 MiB), not the two together in the root unit (1.96 GiB). Where the
+root unit is still the largest (units given with ``--unit``), the headline names the
+modules in it that hold a block's bytes and the ``--unit`` globs that give them units
+of their own, with what the flat layout needs so (Llama-3-8B at 8 ranks with the
+blocks alone: 22.79 GiB, and 18.87 GiB with them split).
 """
 
 from __future__ import annotations

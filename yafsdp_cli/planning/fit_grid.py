@@ -150,7 +150,7 @@ def _without_missing_units(loaded, opts: PlanOptions) -> tuple[PlanOptions, tupl
     if not kept or kept == tuple(opts.checkpointing):
         return opts, ()
     layout = plan(loaded.spec, opts.layout)
-    if any(layout.units):
+    if any(layout.blocks):
         return opts, ()
     dropped = ", ".join(c for c in opts.checkpointing if c != "none")
     note = (

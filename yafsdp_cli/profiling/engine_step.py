@@ -247,7 +247,7 @@ def _run(loaded, opts: ProfileOptions, fake_mode, engine, rank, stack, depth):
     engine.cast(module, opts, keeps_stored_base(loaded))  # a LoRA base keeps its dtype
     module.train()
     layout = plan(spec_from_module(module), opts.layout)
-    ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.units)
+    ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.blocks)
     batch = _batch(module, opts)
     _, modes = _step_modes(opts, fake_mode)
     layers = _layers(module, stack) if stack is not None else None

@@ -123,7 +123,7 @@ def _prepared(loaded, opts: ProfileOptions, fake_mode, stack=None, depth: int | 
     cast_params(module, opts.step.param_dtype, keep_frozen=keeps_stored_base(loaded))
     module.train()
     layout = plan(spec_from_module(module), opts.layout)
-    ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.units)
+    ckpt_note = apply_checkpointing(module, opts.step.checkpointing, layout.blocks)
     return module, layout, ckpt_note
 
 

@@ -189,7 +189,7 @@ def real_step_seconds(module: nn.Module, opts: ProfileOptions, warmup: int, step
     device = next(module.parameters()).device
     cast_params(module, opts.step.param_dtype)
     module.train()
-    units = plan(spec_from_module(module), LayoutOptions(units=opts.layout.units)).units
+    units = plan(spec_from_module(module), LayoutOptions(units=opts.layout.units)).blocks
     apply_checkpointing(module, opts.step.checkpointing, units)
     loss_of = loss_for(module, opts.step)
     batch = loss_of.batch(make_batch(module, opts.step))

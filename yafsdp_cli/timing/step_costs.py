@@ -153,7 +153,7 @@ def _count(module, spec, opts: ProfileOptions) -> StepCosts:
             model = fake_copy(module, spec, "cpu")
             cast_params(model, opts.step.param_dtype)
             model.train()
-            units = plan(spec_from_module(model), LayoutOptions(units=opts.layout.units)).units
+            units = plan(spec_from_module(model), LayoutOptions(units=opts.layout.units)).blocks
             apply_checkpointing(model, opts.step.checkpointing, units)
         batch = loss_for(model, opts.step).batch(make_batch(model, opts.step))
         cuda = (opts.step.target or "cuda") == "cuda"

@@ -239,7 +239,7 @@ def with_idioms(module: nn.Module, layout: Layout, opts: VerifyOptions):
     """Apply ``--checkpointing`` to ``module`` (one of the two models, after the deep
     copy) and return what runs its forward (``--compile``'s compiled module or itself)
     with what was done, in words. Run both inside ``numerics.pinned``."""
-    done = apply_checkpointing(module, opts.step.checkpointing, layout.units)
+    done = apply_checkpointing(module, opts.step.checkpointing, layout.blocks)
     words = [f"activation checkpointing: {done} (both models)"] if done else []
     if opts.compile:
         words += ["torch.compile (inductor) of both models"]
