@@ -140,12 +140,12 @@ def time_matmul(device, m: int, k: int, n: int, dtype: torch.dtype, repeat: int 
 
 
 def attention_seconds(
-    device, batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, repeat: int = 5
+    device, sequences: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype, repeat: int = 5
 ) -> tuple[float, float]:
     """(forward, backward) seconds of causal ``scaled_dot_product_attention`` at the
     model's shape, the kernel the fake step counts."""
     g = torch.Generator(device=device).manual_seed(0)
-    shape = (batch, heads, seq, head_dim)
+    shape = (sequences, heads, seq, head_dim)
     q, k, v = (
         torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_()
         for _ in range(3)
