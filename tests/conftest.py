@@ -24,3 +24,16 @@ def sample_name(request) -> str:
 @pytest.fixture
 def samples_dir() -> Path:
     return SAMPLES
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test whose figures are op outputs, the same whatever
+    the threads: two threads spinning on a shared 2-core machine take 10x longer. A
+    module asks for it with ``pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -142,3 +142,50 @@ def options(cls, **given):
     if unknown:
         raise TypeError(f"{cls.__name__} has no option {', '.join(sorted(unknown))}")
     return cls(**out)
+
+
+def plan_against_real_steps(
+    loaded, *, checkpointing, world_sizes=(1, 2, 4, 8), target="cpu", seq_len=16
+) -> dict[tuple[int, int, str], int]:
+    """Plan ``loaded`` at ``world_sizes`` x micro-batches 1, 2 x ``checkpointing`` and
+    check the converted step at (1, 1) and (4, 2) against it, to the byte: real for
+    the CPU's kernels, ``profile --fake --target cuda``'s for CUDA's (world size 4 is
+    the events of the step at 2, resized). Returns the measured peaks by (world size,
+    micro-batch, checkpointing)."""
+    from yafsdp_cli.planning import PlanOptions, plan_model
+    from yafsdp_cli.profiling import ProfileOptions
+    from yafsdp_cli.profiling.profiler import profile_converted
+
+    opts = options(
+        PlanOptions,
+        gpu_memory=2**40,
+        reserve=0,
+        world_sizes=world_sizes,
+        micro_batches=(1, 2),
+        seq_len=seq_len,
+        target=target,
+        checkpointing=tuple(checkpointing),
+    )
+    report = plan_model(loaded, opts)
+    rows = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
+    measured = {}
+    for (ws, mb), ck in [((w, m), c) for w, m in ((1, 1), (4, 2)) for c in report.checkpointing]:
+        real = profile_converted(
+            loaded,
+            options(
+                ProfileOptions,
+                world_size=ws,
+                batch=mb,
+                seq_len=seq_len,
+                fake=target == "cuda",
+                target=target,
+                param_dtype=opts.step.param_dtype,
+                checkpointing=ck,
+                round_bytes=opts.memory.round_bytes,
+                optimizer_impl=opts.step.optimizer_impl,
+            ),
+        ).peak.total
+        planned = rows[(ws, mb, ck)].peak_bytes
+        assert planned == real, (ws, mb, ck, planned, real)
+        measured[(ws, mb, ck)] = real
+    return measured

@@ -26,18 +26,10 @@ from yafsdp_cli.sources import load_source
 tf = pytest.importorskip("transformers")
 from hf_models import tiny_config  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 runner = CliRunner()
 LORA = "r=4,alpha=8,targets=q_proj,v_proj"
 BATCH, TOKENS = 2, 64
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from yafsdp_cli.engine.train_step import optimizer_tensors  # noqa: E402
 from yafsdp_cli.profiling import ProfileOptions, StorageTracker, profile_model  # noqa: E402
 from yafsdp_cli.sources import load_source  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 KINDS = ("nf4", "nf4-dq", "fp4", "int8")
 LORA, TARGETS = "r=4,alpha=8,targets=q_proj,v_proj", ["q_proj", "v_proj"]
 BATCH, TOKENS, VOCAB = 2, 64, 96
@@ -109,14 +109,6 @@ def _real_step_peak(model) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tracker.replay([]).peak.total
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -8,15 +8,13 @@ from importlib import resources
 import jsonschema
 import pytest
 import torch
-from helpers import options
+from helpers import options, plan_against_real_steps
 from typer.testing import CliRunner
 
 from yafsdp_cli.cli import app
 from yafsdp_cli.engine.plan import plan
 from yafsdp_cli.errors import YafsdpError
 from yafsdp_cli.planning import PlanOptions, parse_ints, parse_size, plan_model
-from yafsdp_cli.profiling import ProfileOptions
-from yafsdp_cli.profiling.profiler import profile_converted
 from yafsdp_cli.sources import load_source
 
 runner = CliRunner()
@@ -27,39 +25,14 @@ SEQ = 16
 
 
 def _truth(loaded, target: str = "cpu", seq_len: int = SEQ) -> None:
-    """Plan at world sizes 1, 2, 4, 8 (4 the events of the step at 2, resized) against
-    the converted step at 1 and 4, checkpointing on and off: to the byte. The step is
-    real for the CPU's kernels; for CUDA's it is ``profile --fake --target cuda``'s."""
-    opts = options(
-        PlanOptions,
-        gpu_memory=2**40,
-        reserve=0,
-        world_sizes=(1, 2, 4, 8),
-        micro_batches=(1, 2),
-        seq_len=seq_len,
-        target=target,
+    """Plan at world sizes 1, 2, 4, 8 against the converted step at 1 and 4,
+    checkpointing on and off: to the byte (``helpers.plan_against_real_steps``)."""
+    plan_against_real_steps(
+        loaded,
         checkpointing=("none", "reentrant", "non-reentrant"),
+        target=target,
+        seq_len=seq_len,
     )
-    report = plan_model(loaded, opts)
-    rows = {(r.world_size, r.micro_batch, r.checkpointing): r for r in report.rows}
-    for (ws, mb), ck in [((w, m), c) for w, m in ((1, 1), (4, 2)) for c in report.checkpointing]:
-        real = profile_converted(
-            loaded,
-            options(
-                ProfileOptions,
-                world_size=ws,
-                batch=mb,
-                seq_len=seq_len,
-                fake=target == "cuda",
-                target=target,
-                param_dtype=opts.step.param_dtype,
-                checkpointing=ck,
-                round_bytes=opts.memory.round_bytes,
-                optimizer_impl=opts.step.optimizer_impl,
-            ),
-        ).peak.total
-        planned = rows[(ws, mb, ck)].peak_bytes
-        assert planned == real, (ws, mb, ck, planned, real)
 
 
 def test_plan_for_cuda_kernels_equals_the_fake_cuda_step(tmp_path):

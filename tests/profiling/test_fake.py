@@ -24,7 +24,7 @@ from yafsdp_cli.sources import load_source
 tf = pytest.importorskip("transformers")
 from hf_models import VOCAB, tiny_config  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 runner = CliRunner()
 ARCH = {
     "t5": "T5ForConditionalGeneration",
@@ -39,16 +39,6 @@ ARCH = {
 # Narrower than tests/hf_models.py: attention at 4096 tokens costs seq^2 x hidden.
 NARROW = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
 INTER = NARROW["intermediate_size"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the figures do not depend on it (only op outputs are
-    counted), and two threads spinning on a shared 2-core machine take 10x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config(name: str, dtype: str, **overrides):

@@ -20,18 +20,10 @@ from yafsdp_cli.sources import load_source
 
 tf = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 runner = CliRunner()
 LOSSES = ("model", "ce", "fused-ce", "chunked-ce", "chunked-ce:3", "projection")
 NARROW = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def folder(tmp_path, name: str, **extra):

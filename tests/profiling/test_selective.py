@@ -43,18 +43,9 @@ from yafsdp_cli.sources import load_source
 tf = pytest.importorskip("transformers")
 from hf_models import VOCAB  # noqa: E402 - after the skip
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_thread")]
 runner = CliRunner()
 BATCH, SEQ = 2, 64
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Figures are op outputs, whatever the threads; one keeps a shared machine quick."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _llama(tmp_path, layers: int = 4, dtype: str = "float32") -> str:
