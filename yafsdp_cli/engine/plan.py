@@ -46,7 +46,6 @@ def plan(spec: ModelSpec, layout: LayoutChoice | None = None) -> Layout:
     """
     choice = _Defaults() if layout is None else layout
     selected = select(spec, choice)
-    unit_names = resolve_units(spec, choice.units)
+    unit_names, split = resolve_units(spec, choice.units)
     unit_of = assign_units(spec, unit_names)
-    split = () if choice.units else tuple(u for u in unit_names if u not in spec.units)
     return plan_layout(spec, selected, unit_of, choice, units=unit_names, split=split)

@@ -135,12 +135,16 @@ def _unit_of_name(name: str, unit_set: set[str]) -> str:
     return ROOT
 
 
-def resolve_units(spec: ModelSpec, globs: Sequence[str] | None) -> tuple[str, ...]:
-    """The units to use: ``--unit`` globs if given, else the spec's detected blocks and
-    the modules ``split_units`` gives units of their own."""
-    if not globs:
-        return (*spec.units, *split_units(spec, spec.units))
-    return resolve_unit_globs(globs, spec.module_names)
+def resolve_units(
+    spec: ModelSpec, globs: Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(units, split)``: the modules ``--unit`` globs name if given, else the spec's
+    detected blocks and the modules ``split_units`` gives units of their own (``split``,
+    always empty for given globs: those are the user's units, whole)."""
+    if globs:
+        return resolve_unit_globs(globs, spec.module_names), ()
+    split = split_units(spec, spec.units)
+    return (*spec.units, *split), split
 
 
 def split_units(spec: ModelSpec, blocks: Sequence[str]) -> tuple[str, ...]:

@@ -24,11 +24,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from ..engine import dtypes
 from ..engine.layout import Layout
 from ..engine.plan import plan
 from ..engine.records import ModelSpec
-from ..engine.units import ROOT
+from ..engine.units import split_units
 from ..errors import YafsdpError
 from ..memory.config import MemoryConfig
 from ..memory.estimate import MemoryBreakdown, MemoryReport, estimate_memory
@@ -79,7 +78,9 @@ def headline(
     schemes = (memory.baseline, memory.flat, *memory.references)
     others = [m for m in schemes if m.scheme not in (DDP, FLAT)]
     best = min(others, key=lambda m: m.total).scheme
-    outside = _outside_blocks(layout)
+    # the modules the default units would split out, where the units in use leave
+    # them in the root unit
+    outside = split_units(spec, layout.units)
     split = _split_units(layout, lay, outside)
     split_flat = _flat_with(spec, lay, cfg, placement, n, split) if split else None
     return Headline(
@@ -93,34 +94,6 @@ def headline(
         split if split_flat is not None else (),
         split_flat,
     )
-
-
-def _outside_blocks(layout: Layout) -> tuple[str, ...]:
-    """The modules of the root unit (an embedding, an untied head) that each hold at
-    least as many bytes as the largest block, where the root unit is the largest
-    unit; a tensor shared with a module elsewhere (a tied head) cannot move."""
-    units: dict[str, int] = {}
-    owners: dict[str, int] = {}
-    for b in layout.buffers:
-        itemsize = dtypes.itemsize(b.dtype)
-        units[b.unit] = units.get(b.unit, 0) + b.padded_numel * itemsize
-        if b.unit != ROOT:
-            continue
-        for e in b.entries:
-            homes = {_owner(n) for n in (e.name, *e.aliases)}
-            if len(homes) == 1 and homes != {""}:
-                owner = _owner(e.name)
-                owners[owner] = owners.get(owner, 0) + e.numel * itemsize
-    root = units.pop(ROOT, 0)
-    block = max(units.values(), default=0)
-    if not block or root <= block:
-        return ()
-    return tuple(m for m, size in owners.items() if size >= block)
-
-
-def _owner(name: str) -> str:
-    """The module holding a parameter: ``model.embed_tokens.weight`` -> ``model.embed_tokens``."""
-    return name.rpartition(".")[0]
 
 
 def _split_units(layout: Layout, lay: LayoutOptions, outside: tuple[str, ...]) -> tuple[str, ...]:
